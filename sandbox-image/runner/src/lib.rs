@@ -1,0 +1,15 @@
+//! The wire protocol between the codebroker broker and the runner inside each sandbox.
+//!
+//! The broker attaches to the container's stdin/stdout (no TTY) and both sides exchange
+//! newline-delimited JSON frames. Every frame is a [`Multiplexed`] pair of a job id and a
+//! message, so that later requests (a cancel, a tool result) can be matched to the job they
+//! concern. Requests flow as [`CoordinatorMessage`], answers as [`WorkerMessage`]; each
+//! request type names its response type through [`Request::Response`].
+//!
+//! This crate's library holds only the protocol; the binary is the runner itself.
+
+pub mod language;
+pub mod protocol;
+
+pub use language::Language;
+pub use protocol::*;

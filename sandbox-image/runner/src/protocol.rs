@@ -1,0 +1,242 @@
+//! Frames exchanged over the attached stdio of a sandbox.
+//!
+//! One frame is one line of JSON: `[job_id, message]`. The broker picks job ids; the runner
+//! echoes the id of the request a message answers. Job id 0 is reserved for messages the
+//! runner sends on its own (a notice at start-up, a complaint about a frame it could not
+//! parse).
+
+use crate::Language;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The id of one request and of every message that concerns it.
+pub type JobId = u64;
+
+/// The job id of messages that answer no request.
+pub const UNSOLICITED: JobId = 0;
+
+/// Longest frame either side accepts, in bytes. Output is capped well below this by the
+/// runner; a longer line means the peer is broken or hostile.
+pub const MAX_FRAME_BYTES: usize = 32 * 1024 * 1024;
+
+/// Every frame on the channel: the job it belongs to, and the message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Multiplexed<T>(pub JobId, pub T);
+
+/// A message from the broker (the coordinator) to the runner (the worker).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum CoordinatorMessage {
+    /// Are you there? Also starts the Python kernel ahead of the first exec when asked.
+    Hello(HelloRequest),
+    /// Run code.
+    Exec(ExecRequest),
+    /// Stop the exec of this job id as soon as possible; it still answers with `ExecDone`.
+    Cancel,
+}
+
+/// A message from the runner to the broker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum WorkerMessage {
+    /// Answer to [`HelloRequest`].
+    Hello(HelloResponse),
+    /// A chunk of output of a running exec (only when the request asked for streaming).
+    Output(OutputChunk),
+    /// The exec of this job id finished; the last message of its job.
+    ExecDone(ExecResponse),
+    /// The request of this job id could not be carried out (or, under job 0, a frame
+    /// could not be parsed). The last message of its job.
+    Error(WorkerError),
+}
+
+/// Ties a request to the message that answers it.
+pub trait Request: Into<CoordinatorMessage> {
+    /// The message that ends this request's job.
+    type Response;
+}
+
+/// Checks the runner is alive, and optionally warms it up.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HelloRequest {
+    /// Start the Python kernel now, so the first `py` exec finds it running.
+    #[serde(default)]
+    pub start_kernel: bool,
+}
+
+impl Request for HelloRequest {
+    type Response = HelloResponse;
+}
+
+impl From<HelloRequest> for CoordinatorMessage {
+    fn from(r: HelloRequest) -> Self {
+        CoordinatorMessage::Hello(r)
+    }
+}
+
+/// What the runner says about itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HelloResponse {
+    /// The runner's crate version, so a broker can tell an outdated image.
+    pub runner_version: String,
+    /// Whether a Python kernel process is running right now.
+    pub kernel_running: bool,
+}
+
+/// Run one piece of code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// The language to run it as.
+    pub lang: Language,
+    /// The source code.
+    pub code: String,
+    /// Command-line arguments (`sys.argv[1:]` in Python).
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Wall-time limit for the whole exec, compile included.
+    pub timeout_ms: u64,
+    /// Cap on each of stdout and stderr; the rest is dropped and the limit reported.
+    pub max_output_bytes: u64,
+    /// Send output as [`OutputChunk`] messages while the code runs, instead of in the
+    /// final [`ExecResponse`].
+    #[serde(default)]
+    pub stream: bool,
+}
+
+impl Request for ExecRequest {
+    type Response = ExecResponse;
+}
+
+impl From<ExecRequest> for CoordinatorMessage {
+    fn from(r: ExecRequest) -> Self {
+        CoordinatorMessage::Exec(r)
+    }
+}
+
+/// Which of the two output streams a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Output written by a running exec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutputChunk {
+    /// Where the code wrote it.
+    pub stream: Stream,
+    /// The bytes, decoded as UTF-8 with invalid sequences replaced.
+    pub data: String,
+}
+
+/// Whether the Python kernel that ran the code had run code before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeStatus {
+    /// A fresh process: no state from earlier execs.
+    New,
+    /// The kernel kept its globals from earlier execs.
+    Reused,
+}
+
+/// A limit an exec ran into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Limit {
+    Time,
+    Memory,
+    Stdout,
+    Stderr,
+    Disk,
+}
+
+impl Limit {
+    /// LibreChat's words for the limit, which clients match on.
+    pub fn message(self) -> &'static str {
+        match self {
+            Limit::Time => "Time limit exceeded",
+            Limit::Memory => "Out of memory",
+            Limit::Stdout => "stdout length exceeded",
+            Limit::Stderr => "stderr length exceeded",
+            Limit::Disk => "Disk quota exceeded",
+        }
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResponse {
+    /// The exit code of the program (or of the compiler, when compiling failed); `None`
+    /// when it was killed by a signal.
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    #[serde(default)]
+    pub signal: Option<i32>,
+    /// Everything written to stdout, up to the cap (empty when streamed).
+    #[serde(default)]
+    pub stdout: String,
+    /// Everything written to stderr, up to the cap (empty when streamed). The runner's
+    /// own notes (a limit hit, a missing compiler) are appended here too.
+    #[serde(default)]
+    pub stderr: String,
+    /// The limits the exec ran into, each once.
+    #[serde(default)]
+    pub limits: Vec<Limit>,
+    /// For `py`, whether the kernel had state from earlier execs; `New` for every other
+    /// language.
+    pub runtime_status: RuntimeStatus,
+    /// Wall time of the exec inside the sandbox.
+    pub duration_ms: u64,
+    /// The exec was stopped by a [`CoordinatorMessage::Cancel`].
+    #[serde(default)]
+    pub cancelled: bool,
+}
+
+/// A request the runner could not carry out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerError {
+    /// What went wrong, for logs; never shown to end users as is.
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_compact_json_pairs() {
+        let req = Multiplexed(
+            7,
+            CoordinatorMessage::Exec(ExecRequest {
+                lang: Language::Py,
+                code: "print(1)".into(),
+                args: vec![],
+                timeout_ms: 1000,
+                max_output_bytes: 64,
+                stream: false,
+            }),
+        );
+        let line = serde_json::to_string(&req).unwrap();
+        assert!(line.starts_with("[7,{\"type\":\"exec\""), "{line}");
+        let back: Multiplexed<CoordinatorMessage> = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, req);
+
+        let cancel = serde_json::to_string(&Multiplexed(3, CoordinatorMessage::Cancel)).unwrap();
+        assert_eq!(cancel, r#"[3,{"type":"cancel"}]"#);
+    }
+
+    #[test]
+    fn limits_use_librechat_words() {
+        assert_eq!(Limit::Time.to_string(), "Time limit exceeded");
+        assert_eq!(Limit::Memory.to_string(), "Out of memory");
+        assert_eq!(Limit::Stdout.to_string(), "stdout length exceeded");
+        assert_eq!(Limit::Stderr.to_string(), "stderr length exceeded");
+    }
+}
