@@ -1,1 +1,87 @@
+//! codebroker: a self-hosted code interpreter for chat assistants.
+//!
+//! [`run`] serves the HTTP API on a listener it is given, so tests bind port 0; the
+//! binary in `main.rs` only parses the configuration and calls it.
 
+pub mod auth;
+pub mod broker;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod ids;
+pub mod sandbox;
+pub mod session;
+pub mod workspace;
+
+use crate::broker::Broker;
+use crate::config::Config;
+use crate::sandbox::DockerBackend;
+use anyhow::Context;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Connects to Docker, prepares the data directory and re-attaches to this instance's
+/// containers: everything `run` needs, ready to serve.
+pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
+    config.validate().map_err(anyhow::Error::msg)?;
+    let mut config = config;
+    std::fs::create_dir_all(config.data_dir.join("sessions"))
+        .with_context(|| format!("cannot create {}", config.data_dir.display()))?;
+    // Bind mounts are resolved by the engine, which needs an absolute path.
+    config.data_dir = config
+        .data_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", config.data_dir.display()))?;
+    let config = Arc::new(config);
+    let docker = DockerBackend::connect(config.clone()).await?;
+    if !docker.image_present().await {
+        tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
+    }
+    let broker = Arc::new(Broker::new(config, docker));
+    broker
+        .reconcile()
+        .await
+        .context("cannot reconcile containers")?;
+    Ok(broker)
+}
+
+/// Serves until `shutdown` resolves, with the pool and the idle reaper running beside.
+pub async fn run(
+    listener: TcpListener,
+    broker: Arc<Broker>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let refiller = tokio::spawn(broker.pool.clone().run_refiller(
+        broker.docker.clone(),
+        broker.config.clone(),
+        stop_rx.clone(),
+    ));
+    let reaper = tokio::spawn(reap_loop(broker.clone(), stop_rx.clone()));
+
+    let app = http::router(http::AppState {
+        broker: broker.clone(),
+    });
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await;
+
+    let _ = stop_tx.send(true);
+    let _ = refiller.await;
+    let _ = reaper.await;
+    broker.shutdown().await;
+    served.context("server failed")
+}
+
+async fn reap_loop(broker: Arc<Broker>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let every = Duration::from_secs(broker.config.reap_interval_secs.max(1));
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => broker.reap_idle().await,
+            _ = async { stop.wait_for(|s| *s).await.map(|_| ()) } => return,
+        }
+    }
+}

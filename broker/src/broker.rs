@@ -1,0 +1,544 @@
+//! The core shared by every front end (HTTP, and later MCP): choosing a session, running
+//! one exec in it, harvesting its files, and keeping containers tidy.
+
+use crate::config::Config;
+use crate::error::{AppError, AppResult};
+use crate::ids::{is_valid_id, new_id};
+use crate::sandbox::{docker::short, DockerBackend, Sandbox};
+use crate::session::registry::META_FILE;
+use crate::session::{Pool, Registry, Session, SessionMeta};
+use crate::workspace::{now_ms, FileRecord, HarvestLimits, Workspace};
+use sandbox_runner::{ExecRequest, Language, Limit, OutputChunk, RuntimeStatus};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How much longer than the exec's own limit the broker waits for the runner before it
+/// declares the sandbox broken.
+const EXEC_GRACE: Duration = Duration::from_secs(15);
+
+/// The broker: configuration, the engine, the sessions and the pool.
+pub struct Broker {
+    /// Every setting.
+    pub config: Arc<Config>,
+    /// The container engine.
+    pub docker: Arc<DockerBackend>,
+    /// All sessions.
+    pub registry: Registry,
+    /// Started sandboxes waiting for new sessions.
+    pub pool: Arc<Pool>,
+    /// `/opt/codebroker/libraries.json` of the image, read once.
+    libraries: tokio::sync::OnceCell<serde_json::Value>,
+}
+
+/// A reference to an input file, in either contract generation.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    /// The file id.
+    pub id: String,
+    /// The session (classic `session_id`, new `storage_session_id`) that holds it.
+    pub session_id: String,
+    /// Where it goes under `/mnt/data` (may hold a relative path).
+    pub name: String,
+}
+
+/// How the caller wants a session chosen (API.md, POST /exec).
+#[derive(Debug, Clone, Default)]
+pub struct SessionChoice {
+    /// The end user the caller names.
+    pub user: Option<String>,
+    /// An explicit session id.
+    pub session_id: Option<String>,
+    /// A runtime session the client saw earlier.
+    pub runtime_session_hint: Option<String>,
+    /// A LibreChat agent or assistant id.
+    pub entity_id: Option<String>,
+}
+
+/// One exec as the front ends ask for it.
+#[derive(Debug, Clone)]
+pub struct ExecInput {
+    pub lang: Language,
+    pub code: String,
+    pub args: Vec<String>,
+    /// Requested wall-time limit in ms; capped by the configuration.
+    pub timeout_ms: Option<u64>,
+    /// Files to place in `/mnt/data` first.
+    pub files: Vec<InputFile>,
+}
+
+/// What one exec produced.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    pub session_id: String,
+    pub stdout: String,
+    pub stderr: String,
+    /// Files created or changed by this exec.
+    pub files: Vec<FileRecord>,
+    pub runtime_status: RuntimeStatus,
+    pub exit_code: Option<i32>,
+    pub duration_ms: u64,
+    pub limits: Vec<Limit>,
+}
+
+impl Broker {
+    pub fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
+        Broker {
+            registry: Registry::new(&config.data_dir),
+            pool: Arc::new(Pool::new(config.pool_size)),
+            docker: Arc::new(docker),
+            config,
+            libraries: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// Finds the session an exec should run in, or makes a new one.
+    pub async fn choose_session(
+        &self,
+        choice: &SessionChoice,
+        files: &[InputFile],
+    ) -> AppResult<Arc<Session>> {
+        let user = choice.user.as_deref();
+        let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(user));
+        if let Some(id) = choice.session_id.as_deref().filter(|s| !s.is_empty()) {
+            if !is_valid_id(id) {
+                return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+            }
+            // An unknown (expired, or another user's) session id gets a new session;
+            // the response names it.
+            if let Some(s) = visible(id) {
+                return Ok(s);
+            }
+        } else if let Some(s) = choice.runtime_session_hint.as_deref().and_then(visible) {
+            return Ok(s);
+        } else if let Some(s) = self.session_of_refs(user, files)? {
+            return Ok(s);
+        } else if let Some(s) = choice
+            .entity_id
+            .as_deref()
+            .filter(|e| !e.is_empty())
+            .and_then(|e| self.registry.by_entity(user, e))
+            .filter(|s| s.visible_to(user))
+        {
+            return Ok(s);
+        }
+        self.new_session(user, choice.entity_id.as_deref()).await
+    }
+
+    /// The one session every input ref belongs to, when there is one.
+    fn session_of_refs(
+        &self,
+        user: Option<&str>,
+        files: &[InputFile],
+    ) -> AppResult<Option<Arc<Session>>> {
+        let Some(first) = files.first() else {
+            return Ok(None);
+        };
+        if files.iter().any(|f| f.session_id != first.session_id) {
+            return Ok(None);
+        }
+        match self.registry.get(&first.session_id) {
+            Some(s) if s.visible_to(user) => Ok(Some(s)),
+            Some(_) => Err(AppError::Forbidden(
+                "an input file belongs to another user".into(),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// A new session: a pooled sandbox when one is ready, else an empty workspace whose
+    /// sandbox starts at the first exec.
+    pub async fn new_session(
+        &self,
+        user: Option<&str>,
+        entity_id: Option<&str>,
+    ) -> AppResult<Arc<Session>> {
+        let pooled = self.pool.take();
+        let (id, workspace) = match &pooled {
+            Some(p) => (p.session_id.clone(), p.workspace.clone()),
+            None => {
+                let id = new_id();
+                let ws = Workspace::new(&self.config.data_dir, &id);
+                ws.create(self.config.sandbox_uid)
+                    .map_err(|e| AppError::internal(format!("cannot create workspace: {e}")))?;
+                (id, ws)
+            }
+        };
+        let meta = SessionMeta {
+            id,
+            user: user.map(str::to_string),
+            entity_id: entity_id.filter(|e| !e.is_empty()).map(str::to_string),
+            created_ms: now_ms(),
+        };
+        let session = self
+            .registry
+            .insert_new(meta, workspace)
+            .map_err(|e| AppError::internal(format!("cannot save session: {e}")))?;
+        if let Some(p) = pooled {
+            session.set_sandbox(Some(p.sandbox));
+        }
+        Ok(session)
+    }
+
+    /// Runs one exec in `session`, after the execs queued before it. Output chunks go to
+    /// `stream` as they come, when given. Call it from a task of its own: if it is dropped
+    /// half-way the runner is told to stop.
+    pub async fn exec(
+        &self,
+        session: Arc<Session>,
+        input: ExecInput,
+        stream: Option<mpsc::UnboundedSender<OutputChunk>>,
+    ) -> AppResult<ExecOutput> {
+        let _turn = session.acquire().await;
+        let started = Instant::now();
+        let mut notes = Vec::new();
+        self.place_inputs(&session, &input.files, &mut notes)
+            .await?;
+
+        let sandbox = self.sandbox_for(&session).await?;
+        let timeout_ms = input
+            .timeout_ms
+            .filter(|t| *t > 0)
+            .unwrap_or(self.config.exec_timeout_ms)
+            .min(self.config.max_exec_timeout_ms);
+        let request = ExecRequest {
+            lang: input.lang,
+            code: input.code,
+            args: input.args,
+            timeout_ms,
+            max_output_bytes: self.config.max_output_bytes,
+            stream: stream.is_some(),
+        };
+        let job = sandbox.new_job();
+        let guard = CancelOnDrop {
+            sandbox: Some(sandbox.clone()),
+            job,
+        };
+        let run = sandbox.exec_as(job, request, |chunk| {
+            if let Some(tx) = &stream {
+                let _ = tx.send(chunk);
+            }
+        });
+        let outcome =
+            tokio::time::timeout(Duration::from_millis(timeout_ms) + EXEC_GRACE, run).await;
+        guard.disarm();
+        let mut output = match outcome {
+            Ok(Ok(done)) => ExecOutput {
+                session_id: session.id().to_string(),
+                stdout: done.stdout,
+                stderr: done.stderr,
+                files: Vec::new(),
+                runtime_status: done.runtime_status,
+                exit_code: done.exit_code,
+                duration_ms: 0,
+                limits: done.limits,
+            },
+            Ok(Err(err)) => {
+                tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, "sandbox failed during an exec");
+                self.discard_sandbox(&session, &sandbox).await;
+                failed_output(
+                    &session,
+                    "The sandbox stopped unexpectedly; the next call starts a new one.",
+                    vec![],
+                )
+            }
+            Err(_) => {
+                tracing::warn!(
+                    session = session.id(),
+                    "runner did not finish an exec in time; replacing the sandbox"
+                );
+                self.discard_sandbox(&session, &sandbox).await;
+                failed_output(&session, Limit::Time.message(), vec![Limit::Time])
+            }
+        };
+
+        let limits = HarvestLimits {
+            max_files: self.config.max_output_files,
+            max_file_bytes: self.config.max_output_file_mb * 1024 * 1024,
+        };
+        let (files, harvest_notes) = self.harvest(&session, limits).await?;
+        notes.extend(harvest_notes);
+        output.files = files;
+        for note in notes {
+            if !output.stderr.is_empty() && !output.stderr.ends_with('\n') {
+                output.stderr.push('\n');
+            }
+            output.stderr.push_str(&note);
+            output.stderr.push('\n');
+        }
+        output.duration_ms = started.elapsed().as_millis() as u64;
+        session.touch();
+        Ok(output)
+    }
+
+    /// The session's live sandbox, or a new one on its workspace.
+    async fn sandbox_for(&self, session: &Arc<Session>) -> AppResult<Arc<Sandbox>> {
+        if let Some(sandbox) = session.sandbox() {
+            if sandbox.is_alive() {
+                return Ok(sandbox);
+            }
+            self.discard_sandbox(session, &sandbox).await;
+        }
+        let files_dir = session.workspace.files_dir();
+        if !files_dir.is_dir() {
+            session
+                .workspace
+                .create(self.config.sandbox_uid)
+                .map_err(|e| AppError::internal(format!("cannot recreate workspace: {e}")))?;
+        }
+        let sandbox = self
+            .docker
+            .create(session.id(), &files_dir, false)
+            .await
+            .map_err(|e| {
+                tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
+                AppError::Unavailable("cannot start a sandbox right now; try again".into())
+            })?;
+        let sandbox = Arc::new(sandbox);
+        session.set_sandbox(Some(sandbox.clone()));
+        Ok(sandbox)
+    }
+
+    /// Drops a broken sandbox and removes its container.
+    async fn discard_sandbox(&self, session: &Session, sandbox: &Arc<Sandbox>) {
+        sandbox.close("discarded");
+        if let Some(current) = session.sandbox() {
+            if Arc::ptr_eq(&current, sandbox) {
+                session.set_sandbox(None);
+            }
+        }
+        self.docker.remove(&sandbox.container_id).await;
+    }
+
+    /// Copies input files from other sessions into this one; checks the others exist.
+    async fn place_inputs(
+        &self,
+        session: &Arc<Session>,
+        files: &[InputFile],
+        notes: &mut Vec<String>,
+    ) -> AppResult<()> {
+        for file in files {
+            let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
+            let source = if file.session_id == session.id() {
+                session.clone()
+            } else {
+                match self.registry.get(&file.session_id) {
+                    Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
+                    Some(_) => {
+                        return Err(AppError::Forbidden(
+                            "an input file belongs to another user".into(),
+                        ))
+                    }
+                    None => {
+                        notes.push(missing());
+                        continue;
+                    }
+                }
+            };
+            let record = source.index().get(&file.id).cloned();
+            let Some(record) = record else {
+                notes.push(missing());
+                continue;
+            };
+            if Arc::ptr_eq(&source, session) {
+                if !session.workspace.files_dir().join(&record.name).exists() {
+                    notes.push(missing());
+                }
+                continue;
+            }
+            let from = source.workspace.clone();
+            let to = session.workspace.clone();
+            let uid = self.config.sandbox_uid;
+            let target = if file.name.is_empty() {
+                record.name.clone()
+            } else {
+                file.name.clone()
+            };
+            let copied =
+                tokio::task::spawn_blocking(move || to.copy_in(&from, &record.name, &target, uid))
+                    .await
+                    .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
+            match copied {
+                Ok(record) => {
+                    let mut index = session.index();
+                    for r in index.files.iter_mut().filter(|r| r.name == record.name) {
+                        r.current = false;
+                    }
+                    index.files.push(record);
+                }
+                Err(err) => notes.push(format!(
+                    "Input file {:?} could not be placed: {err}",
+                    file.name
+                )),
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds the files the exec created or changed and saves the index.
+    async fn harvest(
+        &self,
+        session: &Arc<Session>,
+        limits: HarvestLimits,
+    ) -> AppResult<(Vec<FileRecord>, Vec<String>)> {
+        let mut index = session.index().clone();
+        let workspace = session.workspace.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            let report = workspace.harvest(&mut index, limits)?;
+            if !report.files.is_empty() {
+                workspace.save_index(&index)?;
+            }
+            Ok::<_, std::io::Error>((index, report))
+        })
+        .await
+        .map_err(|e| AppError::internal(format!("harvest task failed: {e}")))?;
+        match result {
+            Ok((index, report)) => {
+                *session.index() = index;
+                Ok((
+                    report.files.into_iter().map(|h| h.record).collect(),
+                    report.notes,
+                ))
+            }
+            Err(err) => {
+                tracing::error!(session = session.id(), error = %err, "harvest failed");
+                Ok((
+                    Vec::new(),
+                    vec!["Generated files could not be collected".into()],
+                ))
+            }
+        }
+    }
+
+    /// The image's package list, read once.
+    pub async fn libraries(&self) -> AppResult<serde_json::Value> {
+        self.libraries
+            .get_or_try_init(|| async {
+                let bytes = self
+                    .docker
+                    .read_image_file("/opt/codebroker/libraries.json")
+                    .await?;
+                anyhow::Ok(serde_json::from_slice(&bytes)?)
+            })
+            .await
+            .cloned()
+            .map_err(|e| {
+                tracing::error!(error = ?e, "cannot read the library list from the image");
+                AppError::Unavailable("the sandbox image cannot be read".into())
+            })
+    }
+
+    /// At start-up: re-attach to this instance's running session containers, remove the
+    /// rest (stopped ones, pool leftovers, sessions that no longer exist).
+    pub async fn reconcile(&self) -> anyhow::Result<()> {
+        let loaded = self.registry.load_all()?;
+        let mut adopted = 0;
+        let mut removed = 0;
+        for container in self.docker.list_own().await? {
+            let session = container
+                .session
+                .as_deref()
+                .and_then(|id| self.registry.get(id));
+            match session {
+                Some(session) if container.running && session.sandbox().is_none() => {
+                    match self.docker.adopt(&container.id).await {
+                        Ok(sandbox) => {
+                            session.set_sandbox(Some(Arc::new(sandbox)));
+                            adopted += 1;
+                            continue;
+                        }
+                        Err(err) => {
+                            tracing::warn!(container = %short(&container.id), error = ?err, "cannot re-attach; removing")
+                        }
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    // A pooled sandbox never handed out: its workspace has no session file.
+                    if let Some(id) = container.session.as_deref().filter(|id| is_valid_id(id)) {
+                        let ws = Workspace::new(&self.config.data_dir, id);
+                        if !ws.root().join(META_FILE).exists() {
+                            let _ = std::fs::remove_dir_all(ws.root());
+                        }
+                    }
+                }
+            }
+            self.docker.remove(&container.id).await;
+            removed += 1;
+        }
+        tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
+        Ok(())
+    }
+
+    /// Removes containers idle past the idle TTL (their files stay), and dead ones.
+    pub async fn reap_idle(&self) {
+        let ttl_ms = self.config.idle_ttl_secs.saturating_mul(1000);
+        let now = now_ms();
+        for session in self.registry.all() {
+            let Some(sandbox) = session.sandbox() else {
+                continue;
+            };
+            let idle = now.saturating_sub(session.last_used_ms()) >= ttl_ms;
+            if !idle && sandbox.is_alive() {
+                continue;
+            }
+            // An exec in progress keeps its sandbox.
+            let Some(_turn) = session.try_acquire() else {
+                continue;
+            };
+            tracing::debug!(session = session.id(), "removing idle or dead sandbox");
+            self.discard_sandbox(&session, &sandbox).await;
+        }
+    }
+
+    /// On shutdown: drain the pool; leave session containers for the next start to
+    /// re-attach, or remove them when configured to.
+    pub async fn shutdown(&self) {
+        self.pool.drain(&self.docker).await;
+        if self.config.remove_containers_on_shutdown {
+            for session in self.registry.all() {
+                if let Some(sandbox) = session.set_sandbox(None) {
+                    sandbox.close("shutdown");
+                    self.docker.remove(&sandbox.container_id).await;
+                }
+            }
+        }
+    }
+}
+
+fn failed_output(session: &Session, message: &str, limits: Vec<Limit>) -> ExecOutput {
+    ExecOutput {
+        session_id: session.id().to_string(),
+        stdout: String::new(),
+        stderr: format!("{message}\n"),
+        files: Vec::new(),
+        runtime_status: RuntimeStatus::New,
+        exit_code: None,
+        duration_ms: 0,
+        limits,
+    }
+}
+
+/// Tells the runner to stop a job when the exec future is dropped before it finished
+/// (a client went away).
+struct CancelOnDrop {
+    sandbox: Option<Arc<Sandbox>>,
+    job: sandbox_runner::JobId,
+}
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.sandbox = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(sandbox) = self.sandbox.take() {
+            let job = self.job;
+            tokio::spawn(async move {
+                let _ = sandbox.cancel(job).await;
+            });
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! Every setting of the broker: one struct, read from flags and `CODEBROKER_*` variables.
+//! The doc comments are the `--help` text.
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// codebroker: a self-hosted code interpreter for chat assistants.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "codebroker", version, about)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "CODEBROKER_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+
+    /// API key(s) clients must send (`X-API-Key`, `Authorization: Bearer`), comma-separated.
+    #[arg(
+        long,
+        env = "CODEBROKER_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_key: Vec<String>,
+
+    /// Authentication mode: `key` (the default; refuses to start without a key) or `none`
+    /// (anyone who can reach the port may run code).
+    #[arg(long, env = "CODEBROKER_AUTH", default_value = "key")]
+    pub auth: AuthMode,
+
+    /// Directory holding every session's workspace and file index. Bind mounts name it on
+    /// the host, so when the broker runs in a container it must have the same path inside
+    /// and outside.
+    #[arg(long, env = "CODEBROKER_DATA_DIR", default_value = "./data")]
+    pub data_dir: PathBuf,
+
+    /// The sandbox image every session's container starts from.
+    #[arg(
+        long,
+        env = "CODEBROKER_IMAGE",
+        default_value = "codebroker-sandbox:latest"
+    )]
+    pub image: String,
+
+    /// Name of this broker; containers carry it as a label so that a restarted broker
+    /// finds its own and leaves other brokers' alone.
+    #[arg(long, env = "CODEBROKER_INSTANCE", default_value = "codebroker")]
+    pub instance: String,
+
+    /// Wall-time limit of an exec when the request names none, in milliseconds.
+    #[arg(long, env = "CODEBROKER_EXEC_TIMEOUT_MS", default_value_t = 30_000)]
+    pub exec_timeout_ms: u64,
+
+    /// Upper bound on the wall-time limit a request may ask for, in milliseconds.
+    #[arg(long, env = "CODEBROKER_MAX_EXEC_TIMEOUT_MS", default_value_t = 30_000)]
+    pub max_exec_timeout_ms: u64,
+
+    /// Cap on each of stdout and stderr of one exec, in bytes; the rest is dropped.
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_BYTES", default_value_t = 64 * 1024)]
+    pub max_output_bytes: u64,
+
+    /// Memory limit of a sandbox, in MiB (swap is not allowed on top of it).
+    #[arg(long, env = "CODEBROKER_MEMORY_MB", default_value_t = 1024)]
+    pub memory_mb: u64,
+
+    /// CPUs a sandbox may use (fractions allowed).
+    #[arg(long, env = "CODEBROKER_CPUS", default_value_t = 1.0)]
+    pub cpus: f64,
+
+    /// Maximum number of processes and threads in a sandbox.
+    #[arg(long, env = "CODEBROKER_PIDS_LIMIT", default_value_t = 256)]
+    pub pids_limit: i64,
+
+    /// Size of the sandbox's `/tmp` tmpfs, in MiB (compilers work there).
+    #[arg(long, env = "CODEBROKER_TMP_MB", default_value_t = 512)]
+    pub tmp_mb: u64,
+
+    /// Size of the sandbox's `/dev/shm` tmpfs, in MiB.
+    #[arg(long, env = "CODEBROKER_SHM_MB", default_value_t = 64)]
+    pub shm_mb: u64,
+
+    /// Open files per process in a sandbox (`nofile` ulimit).
+    #[arg(long, env = "CODEBROKER_NOFILE", default_value_t = 1024)]
+    pub nofile: i64,
+
+    /// Largest file a sandbox process may write, in MiB (`fsize` ulimit).
+    #[arg(long, env = "CODEBROKER_FSIZE_MB", default_value_t = 1024)]
+    pub fsize_mb: i64,
+
+    /// Uid and gid the sandboxed code runs as; workspaces are owned by it.
+    #[arg(long, env = "CODEBROKER_SANDBOX_UID", default_value_t = 10001)]
+    pub sandbox_uid: u32,
+
+    /// Give sandboxes no network at all (`NetworkMode=none`). Turn off only for trusted use.
+    #[arg(long, env = "CODEBROKER_NETWORK_NONE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub network_none: bool,
+
+    /// Mount the sandbox's root filesystem read-only.
+    #[arg(long, env = "CODEBROKER_READONLY_ROOTFS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub readonly_rootfs: bool,
+
+    /// Drop every Linux capability and forbid gaining privileges in sandboxes.
+    #[arg(long, env = "CODEBROKER_DROP_CAPABILITIES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub drop_capabilities: bool,
+
+    /// Seconds a session's container may sit idle before it is removed (its files stay).
+    #[arg(long, env = "CODEBROKER_IDLE_TTL_SECS", default_value_t = 600)]
+    pub idle_ttl_secs: u64,
+
+    /// How often the reaper looks for idle containers, in seconds.
+    #[arg(long, env = "CODEBROKER_REAP_INTERVAL_SECS", default_value_t = 10)]
+    pub reap_interval_secs: u64,
+
+    /// Started containers kept ready for new sessions (0 turns the pool off).
+    #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
+    pub pool_size: usize,
+
+    /// Largest request body, in MiB.
+    #[arg(long, env = "CODEBROKER_MAX_BODY_MB", default_value_t = 16)]
+    pub max_body_mb: usize,
+
+    /// Most files one exec reports as generated; the rest are named in stderr.
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILES", default_value_t = 50)]
+    pub max_output_files: usize,
+
+    /// Largest generated file reported, in MiB; larger ones are named in stderr.
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10)]
+    pub max_output_file_mb: u64,
+
+    /// On shutdown, remove session containers instead of leaving them for the next start
+    /// to re-attach to. Pooled containers are always removed.
+    #[arg(long, env = "CODEBROKER_REMOVE_CONTAINERS_ON_SHUTDOWN", default_value_t = false, action = clap::ArgAction::Set)]
+    pub remove_containers_on_shutdown: bool,
+
+    /// Log format: `text` or `json`.
+    #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
+    pub log_format: String,
+}
+
+/// How callers prove who they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuthMode {
+    /// An API key is required.
+    Key,
+    /// No authentication at all: an explicit choice for a trusted network.
+    None,
+}
+
+impl Config {
+    /// Checks settings that clap cannot check on its own.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.auth == AuthMode::Key && self.api_keys().next().is_none() {
+            return Err(
+                "no API key: set CODEBROKER_API_KEY, or CODEBROKER_AUTH=none to run \
+                        without authentication"
+                    .into(),
+            );
+        }
+        if self.exec_timeout_ms == 0 || self.max_exec_timeout_ms == 0 {
+            return Err("exec timeouts must be above 0".into());
+        }
+        if self.cpus.is_nan() || self.cpus <= 0.0 {
+            return Err("CODEBROKER_CPUS must be above 0".into());
+        }
+        Ok(())
+    }
+
+    /// The configured API keys, blanks dropped.
+    pub fn api_keys(&self) -> impl Iterator<Item = &str> {
+        self.api_key
+            .iter()
+            .map(|k| k.trim())
+            .filter(|k| !k.is_empty())
+    }
+
+    /// A configuration for tests: no auth, defaults elsewhere, data in `data_dir`.
+    pub fn for_tests(data_dir: PathBuf, instance: &str) -> Config {
+        let mut config = Config::parse_from(["codebroker"]);
+        config.auth = AuthMode::None;
+        config.data_dir = data_dir;
+        config.instance = instance.to_string();
+        config.listen = "127.0.0.1:0".parse().expect("literal address");
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_to_start_without_key() {
+        let config = Config::parse_from(["codebroker"]);
+        assert!(config.validate().is_err());
+        let config = Config::parse_from(["codebroker", "--api-key", "a, b"]);
+        assert!(config.validate().is_ok());
+        assert_eq!(config.api_keys().collect::<Vec<_>>(), ["a", "b"]);
+        let config = Config::parse_from(["codebroker", "--auth", "none"]);
+        assert!(config.validate().is_ok());
+    }
+}

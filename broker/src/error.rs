@@ -1,0 +1,121 @@
+//! The one error type of the HTTP layer, rendered as API.md's JSON envelope
+//! `{"error": "<code>", "message": "<text>"}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+/// Everything a request can fail with. Internal errors are logged in full and shown to
+/// clients only as a generic message.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("Unsupported language: {0}")]
+    UnsupportedLanguage(String),
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("missing or invalid credentials")]
+    Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{message}")]
+    RateLimited {
+        message: String,
+        retry_after_seconds: u64,
+    },
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl AppError {
+    pub fn internal(context: impl std::fmt::Display) -> AppError {
+        AppError::Internal(anyhow::anyhow!("{context}"))
+    }
+
+    fn status(&self) -> StatusCode {
+        match self {
+            AppError::BadRequest(_) | AppError::UnsupportedLanguage(_) => StatusCode::BAD_REQUEST,
+            AppError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            AppError::Unauthorized => StatusCode::UNAUTHORIZED,
+            AppError::Forbidden(_) => StatusCode::FORBIDDEN,
+            AppError::NotFound(_) => StatusCode::NOT_FOUND,
+            AppError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            AppError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            AppError::BadRequest(_) => "bad_request",
+            AppError::UnsupportedLanguage(_) => "unsupported_language",
+            AppError::Unprocessable(_) => "invalid_request",
+            AppError::Unauthorized => "unauthorized",
+            AppError::Forbidden(_) => "forbidden",
+            AppError::NotFound(_) => "not_found",
+            AppError::PayloadTooLarge(_) => "payload_too_large",
+            AppError::RateLimited { .. } => "rate_limited",
+            AppError::Unavailable(_) => "unavailable",
+            AppError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The JSON body clients get.
+    pub fn body(&self) -> serde_json::Value {
+        let message = match self {
+            AppError::Internal(err) => {
+                tracing::error!(error = ?err, "internal error");
+                "internal error; see the broker's log".to_string()
+            }
+            other => other.to_string(),
+        };
+        let mut body = json!({ "error": self.code(), "message": message });
+        if let AppError::RateLimited {
+            retry_after_seconds,
+            ..
+        } = self
+        {
+            body["retry_after_seconds"] = json!(retry_after_seconds);
+        }
+        body
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = self.body();
+        (status, Json(body)).into_response()
+    }
+}
+
+pub type AppResult<T> = Result<T, AppError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_errors_are_hidden() {
+        let err = AppError::internal("docker said /var/lib/secret is missing");
+        let body = err.body();
+        assert_eq!(body["error"], "internal_error");
+        assert!(!body["message"].as_str().unwrap_or("").contains("secret"));
+    }
+
+    #[test]
+    fn unsupported_language_envelope() {
+        let body = AppError::UnsupportedLanguage("cobol".into()).body();
+        assert_eq!(body["error"], "unsupported_language");
+        assert_eq!(body["message"], "Unsupported language: cobol");
+    }
+}

@@ -1,0 +1,80 @@
+//! The HTTP API: one module per resource, each with its `router()`, merged here and served
+//! at `/` and again under `/v1` (LibreChat's default base URL ends in `/v1`).
+
+pub mod exec;
+pub mod files;
+pub mod health;
+
+use crate::auth::require_auth;
+use crate::broker::Broker;
+use crate::error::AppError;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::Router;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+/// What every handler gets.
+#[derive(Clone)]
+pub struct AppState {
+    /// The core.
+    pub broker: Arc<Broker>,
+}
+
+/// Every route, at the root and under `/v1`.
+pub fn router(state: AppState) -> Router {
+    let protected = Router::new()
+        .merge(exec::router())
+        .merge(files::router())
+        .merge(health::protected_router())
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_auth,
+        ));
+    let routes: Router<AppState> = Router::new()
+        .merge(protected)
+        .merge(health::public_router());
+    let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
+    Router::new()
+        .merge(routes.clone())
+        .nest("/v1", routes)
+        .fallback(|| async { AppError::NotFound("no such route".into()) })
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// A JSON body read whatever its `Content-Type`, with errors in the API's envelope:
+/// malformed JSON is 400, well-formed JSON of the wrong shape 422.
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|e| match e.status() {
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
+                    AppError::PayloadTooLarge("request body too large".into())
+                }
+                _ => AppError::BadRequest(format!("cannot read the request body: {e}")),
+            })?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(AppError::BadRequest(
+                "the request body is empty; send JSON".into(),
+            ));
+        }
+        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
+            use serde_json::error::Category;
+            match e.classify() {
+                Category::Data => AppError::Unprocessable(format!("invalid request: {e}")),
+                _ => AppError::BadRequest(format!("malformed JSON: {e}")),
+            }
+        })
+    }
+}

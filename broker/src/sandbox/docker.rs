@@ -1,0 +1,313 @@
+//! Sandboxes as Docker containers, driven through the Engine API (bollard).
+
+use super::channel::AttachOutput;
+use super::{labels, RunnerChannel, Sandbox};
+use crate::config::Config;
+use anyhow::{anyhow, Context};
+use bollard::container::LogOutput;
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, ResourcesUlimits};
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+};
+use futures::{StreamExt, TryStreamExt};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Where the workspace appears inside every sandbox.
+pub const WORKDIR: &str = "/mnt/data";
+
+/// How long a new runner may take to answer its first hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A container of ours found on the engine.
+#[derive(Debug, Clone)]
+pub struct OwnContainer {
+    /// Docker's id.
+    pub id: String,
+    /// The session label, if it has one.
+    pub session: Option<String>,
+    /// Whether it is running (only running ones can be re-attached).
+    pub running: bool,
+}
+
+/// Creates, attaches to, and removes sandbox containers.
+pub struct DockerBackend {
+    /// The Engine API client, version negotiated.
+    docker: bollard::Docker,
+    /// Image, limits and lockdown settings.
+    config: Arc<Config>,
+}
+
+impl DockerBackend {
+    /// Connects to the local engine (`DOCKER_HOST` or the default socket) and negotiates
+    /// the API version, so Docker 20.10 (API 1.41) works as well as newer engines.
+    pub async fn connect(config: Arc<Config>) -> anyhow::Result<DockerBackend> {
+        let docker = bollard::Docker::connect_with_local_defaults()
+            .context("cannot reach the Docker engine")?
+            .negotiate_version()
+            .await
+            .context("cannot negotiate the Docker API version")?;
+        Ok(DockerBackend { docker, config })
+    }
+
+    /// Whether the engine answers.
+    pub async fn ping(&self) -> bool {
+        self.docker.ping().await.is_ok()
+    }
+
+    /// Whether the sandbox image is present.
+    pub async fn image_present(&self) -> bool {
+        self.docker.inspect_image(&self.config.image).await.is_ok()
+    }
+
+    /// What `docker create` gets for a session's sandbox: the lockdown of DESIGN.md.
+    fn container_body(&self, session_id: &str, workspace: &Path) -> ContainerCreateBody {
+        let c = &self.config;
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let labels = HashMap::from([
+            (labels::INSTANCE.to_string(), c.instance.clone()),
+            (labels::SESSION.to_string(), session_id.to_string()),
+            (labels::CREATED.to_string(), created.to_string()),
+        ]);
+        let mib = 1024 * 1024;
+        let memory = (c.memory_mb * mib) as i64;
+        let tmpfs = HashMap::from([
+            (
+                "/tmp".to_string(),
+                format!("rw,exec,nosuid,nodev,size={}m,mode=1777", c.tmp_mb),
+            ),
+            (
+                "/dev/shm".to_string(),
+                format!("rw,noexec,nosuid,nodev,size={}m,mode=1777", c.shm_mb),
+            ),
+        ]);
+        let ulimit = |name: &str, value: i64| ResourcesUlimits {
+            name: Some(name.to_string()),
+            soft: Some(value),
+            hard: Some(value),
+        };
+        let host_config = HostConfig {
+            binds: Some(vec![format!("{}:{WORKDIR}:rw", workspace.display())]),
+            network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
+            cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
+            security_opt: c
+                .drop_capabilities
+                .then(|| vec!["no-new-privileges".to_string()]),
+            readonly_rootfs: Some(c.readonly_rootfs),
+            tmpfs: Some(tmpfs),
+            pids_limit: Some(c.pids_limit),
+            memory: Some(memory),
+            memory_swap: Some(memory),
+            nano_cpus: Some((c.cpus * 1e9) as i64),
+            ulimits: Some(vec![
+                ulimit("nofile", c.nofile),
+                ulimit("fsize", c.fsize_mb * mib as i64),
+            ]),
+            ipc_mode: Some("private".to_string()),
+            log_config: Some(HostConfigLogConfig {
+                typ: Some("none".to_string()),
+                config: None,
+            }),
+            init: Some(false),
+            ..Default::default()
+        };
+        let uid = c.sandbox_uid;
+        ContainerCreateBody {
+            image: Some(c.image.clone()),
+            user: Some(format!("{uid}:{uid}")),
+            working_dir: Some(WORKDIR.to_string()),
+            env: Some(vec![format!("HOME={WORKDIR}")]),
+            open_stdin: Some(true),
+            stdin_once: Some(false),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            network_disabled: Some(c.network_none),
+            labels: Some(labels),
+            host_config: Some(host_config),
+            ..Default::default()
+        }
+    }
+
+    /// Creates and starts a sandbox for `session_id` on `workspace` (a host directory),
+    /// attached before it starts so no frame is missed, and waits for its runner to answer.
+    pub async fn create(
+        &self,
+        session_id: &str,
+        workspace: &Path,
+        start_kernel: bool,
+    ) -> anyhow::Result<Sandbox> {
+        let body = self.container_body(session_id, workspace);
+        let created = self
+            .docker
+            .create_container(
+                None::<bollard::query_parameters::CreateContainerOptions>,
+                body,
+            )
+            .await
+            .context("docker create failed")?;
+        let id = created.id;
+        let sandbox = async {
+            let channel = self.attach_channel(&id).await?;
+            self.docker
+                .start_container(
+                    &id,
+                    None::<bollard::query_parameters::StartContainerOptions>,
+                )
+                .await
+                .context("docker start failed")?;
+            let sandbox = Sandbox::new(id.clone(), channel);
+            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(start_kernel))
+                .await
+                .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
+                .context("the runner did not answer")?;
+            anyhow::Ok(sandbox)
+        }
+        .await;
+        if sandbox.is_err() {
+            self.remove(&id).await;
+        }
+        sandbox
+    }
+
+    /// Re-attaches to a running container of ours (after a broker restart).
+    pub async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
+        let channel = self.attach_channel(container_id).await?;
+        let sandbox = Sandbox::new(container_id.to_string(), channel);
+        tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(false))
+            .await
+            .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
+            .context("the runner did not answer")?;
+        Ok(sandbox)
+    }
+
+    async fn attach_channel(&self, id: &str) -> anyhow::Result<RunnerChannel> {
+        let options = AttachContainerOptionsBuilder::new()
+            .stdin(true)
+            .stdout(true)
+            .stderr(true)
+            .stream(true)
+            .logs(false)
+            .build();
+        let attached = self
+            .docker
+            .attach_container(id, Some(options))
+            .await
+            .context("docker attach failed")?;
+        let output = attached.output.map(|item| match item {
+            Ok(LogOutput::StdErr { message }) => Ok(AttachOutput::Stderr(message)),
+            Ok(LogOutput::StdOut { message } | LogOutput::Console { message }) => {
+                Ok(AttachOutput::Stdout(message))
+            }
+            Ok(LogOutput::StdIn { .. }) => Ok(AttachOutput::Stderr(bytes::Bytes::new())),
+            Err(err) => Err(err.to_string()),
+        });
+        Ok(RunnerChannel::new(short(id), output, attached.input))
+    }
+
+    /// Removes a container, whatever state it is in. Failures are logged: the reconciler
+    /// at the next start removes what is left.
+    pub async fn remove(&self, id: &str) {
+        let options = RemoveContainerOptionsBuilder::new()
+            .force(true)
+            .v(true)
+            .build();
+        if let Err(err) = self.docker.remove_container(id, Some(options)).await {
+            if !matches!(
+                err,
+                bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404,
+                    ..
+                }
+            ) {
+                tracing::warn!(container = %short(id), error = %err, "cannot remove container");
+            }
+        }
+    }
+
+    /// Every container carrying this instance's label.
+    pub async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![format!("{}={}", labels::INSTANCE, self.config.instance)],
+        )]);
+        let options = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let list = self
+            .docker
+            .list_containers(Some(options))
+            .await
+            .context("docker ps failed")?;
+        Ok(list
+            .into_iter()
+            .filter_map(|c| {
+                let id = c.id?;
+                let session = c
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(labels::SESSION).cloned());
+                let running = c.state.map(|s| s.to_string() == "running").unwrap_or(false);
+                Some(OwnContainer {
+                    id,
+                    session,
+                    running,
+                })
+            })
+            .collect())
+    }
+
+    /// Reads one file out of the sandbox image, without starting a container.
+    pub async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
+        let body = ContainerCreateBody {
+            image: Some(self.config.image.clone()),
+            labels: Some(HashMap::from([(
+                labels::INSTANCE.to_string(),
+                self.config.instance.clone(),
+            )])),
+            network_disabled: Some(true),
+            ..Default::default()
+        };
+        let id = self
+            .docker
+            .create_container(
+                None::<bollard::query_parameters::CreateContainerOptions>,
+                body,
+            )
+            .await
+            .context("docker create failed")?
+            .id;
+        let options = DownloadFromContainerOptionsBuilder::new()
+            .path(path)
+            .build();
+        let tar_bytes: Result<Vec<u8>, _> = self
+            .docker
+            .download_from_container(&id, Some(options))
+            .map_ok(|b| b.to_vec())
+            .try_concat()
+            .await;
+        self.remove(&id).await;
+        let tar_bytes = tar_bytes.with_context(|| format!("cannot read {path} from the image"))?;
+        let mut archive = tar::Archive::new(&tar_bytes[..]);
+        let mut entry = archive
+            .entries()?
+            .next()
+            .ok_or_else(|| anyhow!("empty archive for {path}"))??;
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The first 12 characters of a container id, as `docker ps` shows it.
+pub fn short(id: &str) -> String {
+    id.chars().take(12).collect()
+}

@@ -1,0 +1,82 @@
+//! The container side: one sandbox per session, reached over its runner channel.
+
+pub mod channel;
+pub mod docker;
+
+pub use channel::{ChannelError, RunnerChannel};
+pub use docker::{DockerBackend, OwnContainer};
+
+use sandbox_runner::{ExecRequest, ExecResponse, JobId, OutputChunk, WorkerMessage};
+use std::time::Instant;
+
+/// Labels every container of ours carries; a restarted broker finds its containers by them.
+pub mod labels {
+    /// The broker instance that owns the container.
+    pub const INSTANCE: &str = "codebroker.instance";
+    /// The session whose workspace the container mounts.
+    pub const SESSION: &str = "codebroker.session";
+    /// Unix seconds when the container was created.
+    pub const CREATED: &str = "codebroker.created";
+}
+
+/// A started container with its runner attached.
+pub struct Sandbox {
+    /// Docker's id of the container, for removal and logs.
+    pub container_id: String,
+    /// The attached stdio of the runner.
+    channel: RunnerChannel,
+    /// When the sandbox became ready, for the idle reaper and metrics.
+    pub started: Instant,
+}
+
+impl Sandbox {
+    pub(crate) fn new(container_id: String, channel: RunnerChannel) -> Sandbox {
+        Sandbox {
+            container_id,
+            channel,
+            started: Instant::now(),
+        }
+    }
+
+    /// Whether the runner can still be reached.
+    pub fn is_alive(&self) -> bool {
+        !self.channel.is_closed()
+    }
+
+    /// Marks the sandbox dead (its container is about to be removed).
+    pub fn close(&self, reason: &str) {
+        self.channel.close(reason);
+    }
+
+    /// A fresh job id, to be passed to [`Sandbox::exec_as`] and, if needed, [`Sandbox::cancel`].
+    pub fn new_job(&self) -> JobId {
+        self.channel.new_job()
+    }
+
+    /// Runs one exec to its end.
+    pub async fn exec_as(
+        &self,
+        job: JobId,
+        request: ExecRequest,
+        on_output: impl FnMut(OutputChunk),
+    ) -> Result<ExecResponse, ChannelError> {
+        match self.channel.request_as(job, request, on_output).await? {
+            WorkerMessage::ExecDone(done) => Ok(done),
+            other => Err(ChannelError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Asks the runner to stop the exec of `job`.
+    pub async fn cancel(&self, job: JobId) -> Result<(), ChannelError> {
+        self.channel.cancel(job).await
+    }
+
+    /// Checks the runner answers; optionally starts its Python kernel.
+    pub async fn hello(&self, start_kernel: bool) -> Result<(), ChannelError> {
+        let req = sandbox_runner::HelloRequest { start_kernel };
+        match self.channel.request(req, |_| {}).await? {
+            WorkerMessage::Hello(_) => Ok(()),
+            other => Err(ChannelError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}

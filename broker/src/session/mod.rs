@@ -1,0 +1,118 @@
+//! Sessions: one per chat session, each with its workspace and (while in use) its sandbox.
+//!
+//! Execs of one session run one at a time, in arrival order; sessions run in parallel.
+
+pub mod pool;
+pub mod registry;
+
+pub use pool::Pool;
+pub use registry::Registry;
+
+use crate::sandbox::Sandbox;
+use crate::workspace::{now_ms, FileIndex, Workspace};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Who a session belongs to, persisted as `session.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionMeta {
+    /// The session id (also the workspace's directory name).
+    pub id: String,
+    /// The end user it belongs to, when the caller named one; other users never see it.
+    pub user: Option<String>,
+    /// The `entity_id` it was created for, so later calls with that entity find it.
+    pub entity_id: Option<String>,
+    /// Milliseconds since the epoch at creation.
+    pub created_ms: u64,
+}
+
+/// One chat session.
+pub struct Session {
+    /// Identity and owner.
+    pub meta: SessionMeta,
+    /// Its files on the host.
+    pub workspace: Workspace,
+    /// One permit: holding it is the right to run an exec (or to touch the sandbox).
+    queue: Arc<Semaphore>,
+    /// The running sandbox, if any. Swapped only by the holder of the queue permit.
+    sandbox: Mutex<Option<Arc<Sandbox>>>,
+    /// File ids of the workspace; read by downloads, written after each exec.
+    index: Mutex<FileIndex>,
+    /// Milliseconds since the epoch of the last exec's end, for the idle reaper.
+    last_used_ms: AtomicU64,
+}
+
+impl Session {
+    pub(crate) fn new(meta: SessionMeta, workspace: Workspace, index: FileIndex) -> Session {
+        Session {
+            meta,
+            workspace,
+            queue: Arc::new(Semaphore::new(1)),
+            sandbox: Mutex::new(None),
+            index: Mutex::new(index),
+            last_used_ms: AtomicU64::new(now_ms()),
+        }
+    }
+
+    /// The session id.
+    pub fn id(&self) -> &str {
+        &self.meta.id
+    }
+
+    /// Whether `user` may see this session. A caller that names no user acts with the
+    /// API key's scope and may; a named user sees only their own sessions.
+    pub fn visible_to(&self, user: Option<&str>) -> bool {
+        match (user, self.meta.user.as_deref()) {
+            (Some(caller), Some(owner)) => caller == owner,
+            (Some(_), None) => true,
+            (None, _) => true,
+        }
+    }
+
+    /// Waits for this session's turn to run.
+    pub async fn acquire(&self) -> OwnedSemaphorePermit {
+        // The semaphore is never closed, so acquiring cannot fail.
+        loop {
+            if let Ok(permit) = self.queue.clone().acquire_owned().await {
+                return permit;
+            }
+        }
+    }
+
+    /// Takes the turn only if nobody holds it (for the reaper).
+    pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
+        self.queue.clone().try_acquire_owned().ok()
+    }
+
+    /// The current sandbox.
+    pub fn sandbox(&self) -> Option<Arc<Sandbox>> {
+        lock(&self.sandbox).clone()
+    }
+
+    /// Replaces the sandbox, returning the old one.
+    pub fn set_sandbox(&self, sandbox: Option<Arc<Sandbox>>) -> Option<Arc<Sandbox>> {
+        std::mem::replace(&mut *lock(&self.sandbox), sandbox)
+    }
+
+    /// The file index, briefly.
+    pub fn index(&self) -> MutexGuard<'_, FileIndex> {
+        lock(&self.index)
+    }
+
+    /// Records that the session was just used.
+    pub fn touch(&self) {
+        self.last_used_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// Milliseconds since the epoch of the last use.
+    pub fn last_used_ms(&self) -> u64 {
+        self.last_used_ms.load(Ordering::Relaxed)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing leaves these values half-updated, so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

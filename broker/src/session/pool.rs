@@ -1,0 +1,151 @@
+//! A pool of started sandboxes, each already bound to a fresh empty workspace, so that a
+//! new session costs a pool take instead of a container start.
+//!
+//! A pooled sandbox is handed to exactly one session and never comes back.
+
+use crate::config::Config;
+use crate::ids::new_id;
+use crate::sandbox::{DockerBackend, Sandbox};
+use crate::workspace::Workspace;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// How many containers the pool starts at once, so a burst does not stall the engine.
+const REFILL_CONCURRENCY: usize = 2;
+
+/// A started sandbox waiting for its session.
+pub struct Pooled {
+    /// The id the session will have; the workspace directory is already named after it.
+    pub session_id: String,
+    /// The empty workspace the sandbox mounts.
+    pub workspace: Workspace,
+    /// The sandbox, its Python kernel already started.
+    pub sandbox: Arc<Sandbox>,
+}
+
+/// The warm pool.
+pub struct Pool {
+    /// Sandboxes ready to be taken, oldest first.
+    ready: Mutex<VecDeque<Pooled>>,
+    /// How many the pool keeps ready.
+    target: usize,
+    /// Creations under way, so the refiller does not overshoot.
+    creating: AtomicUsize,
+    /// Wakes the refiller after a take.
+    wake: Notify,
+}
+
+impl Pool {
+    pub fn new(target: usize) -> Pool {
+        Pool {
+            ready: Mutex::new(VecDeque::new()),
+            target,
+            creating: AtomicUsize::new(0),
+            wake: Notify::new(),
+        }
+    }
+
+    /// How many sandboxes are ready now.
+    pub fn ready(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// How many the pool aims to keep.
+    pub fn target(&self) -> usize {
+        self.target
+    }
+
+    /// Takes a live pooled sandbox, if one is ready.
+    pub fn take(&self) -> Option<Pooled> {
+        let taken = loop {
+            let Some(pooled) = self.lock().pop_front() else {
+                break None;
+            };
+            if pooled.sandbox.is_alive() {
+                break Some(pooled);
+            }
+            // A dead one is dropped; the refiller's sweep removes its container.
+        };
+        self.wake.notify_one();
+        taken
+    }
+
+    /// Keeps the pool full until `shutdown` resolves; then removes what it holds.
+    pub async fn run_refiller(
+        self: Arc<Self>,
+        docker: Arc<DockerBackend>,
+        config: Arc<Config>,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) {
+        if self.target == 0 {
+            return;
+        }
+        loop {
+            while self.ready() + self.creating.load(Ordering::SeqCst) < self.target
+                && self.creating.load(Ordering::SeqCst) < REFILL_CONCURRENCY
+            {
+                self.creating.fetch_add(1, Ordering::SeqCst);
+                let pool = self.clone();
+                let docker = docker.clone();
+                let config = config.clone();
+                tokio::spawn(async move {
+                    match create_pooled(&docker, &config).await {
+                        Ok(pooled) => pool.lock().push_back(pooled),
+                        Err(err) => {
+                            tracing::warn!(error = ?err, "cannot start a pooled sandbox");
+                            // Back off so a broken engine or image is not hammered.
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                        }
+                    }
+                    pool.creating.fetch_sub(1, Ordering::SeqCst);
+                    pool.wake.notify_one();
+                });
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                    self.lock().retain(|p| p.sandbox.is_alive());
+                }
+                _ = shutdown.wait_for(|s| *s) => break,
+            }
+        }
+        self.drain(&docker).await;
+    }
+
+    /// Removes every pooled sandbox and its workspace.
+    pub async fn drain(&self, docker: &DockerBackend) {
+        let drained: Vec<Pooled> = self.lock().drain(..).collect();
+        for pooled in drained {
+            pooled.sandbox.close("the pool is draining");
+            docker.remove(&pooled.sandbox.container_id).await;
+            let _ = std::fs::remove_dir_all(pooled.workspace.root());
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
+        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+async fn create_pooled(docker: &DockerBackend, config: &Config) -> anyhow::Result<Pooled> {
+    let session_id = new_id();
+    let workspace = Workspace::new(&config.data_dir, &session_id);
+    workspace.create(config.sandbox_uid)?;
+    match docker
+        .create(&session_id, &workspace.files_dir(), true)
+        .await
+    {
+        Ok(sandbox) => Ok(Pooled {
+            session_id,
+            workspace,
+            sandbox: Arc::new(sandbox),
+        }),
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(workspace.root());
+            Err(err)
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! All sessions of this broker, in memory and on disk.
+
+use super::{Session, SessionMeta};
+use crate::ids::is_valid_id;
+use crate::workspace::Workspace;
+use dashmap::DashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The name of a session's metadata file in its workspace root.
+pub const META_FILE: &str = "session.json";
+
+/// Sessions by id, plus the `entity_id` affinity map.
+pub struct Registry {
+    /// Where workspaces live; sessions not in memory are loaded from here.
+    data_dir: PathBuf,
+    /// Sessions loaded so far.
+    sessions: DashMap<String, Arc<Session>>,
+    /// `(user, entity_id)` to session id: LibreChat agents name their entity on each
+    /// call, so calls of one agent find one session.
+    entities: DashMap<(String, String), String>,
+}
+
+impl Registry {
+    pub fn new(data_dir: &Path) -> Registry {
+        Registry {
+            data_dir: data_dir.to_path_buf(),
+            sessions: DashMap::new(),
+            entities: DashMap::new(),
+        }
+    }
+
+    /// Number of sessions loaded in memory.
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Whether no session is loaded.
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    /// Every loaded session.
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        self.sessions.iter().map(|e| e.value().clone()).collect()
+    }
+
+    /// The session `id`, from memory or, after a restart, from disk.
+    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
+        if !is_valid_id(id) {
+            return None;
+        }
+        if let Some(s) = self.sessions.get(id) {
+            return Some(s.clone());
+        }
+        let session = Arc::new(load(&self.data_dir, id).ok()?);
+        Some(
+            self.sessions
+                .entry(id.to_string())
+                .or_insert(session)
+                .clone(),
+        )
+    }
+
+    /// The session made for `entity_id` by `user`.
+    pub fn by_entity(&self, user: Option<&str>, entity_id: &str) -> Option<Arc<Session>> {
+        let key = (user.unwrap_or("").to_string(), entity_id.to_string());
+        let id = self.entities.get(&key)?.clone();
+        self.get(&id)
+    }
+
+    /// Registers a new session whose workspace exists already, and persists its metadata.
+    pub fn insert_new(&self, meta: SessionMeta, workspace: Workspace) -> io::Result<Arc<Session>> {
+        workspace.save_meta(META_FILE, &meta)?;
+        if let Some(entity) = &meta.entity_id {
+            self.entities.insert(
+                (meta.user.clone().unwrap_or_default(), entity.clone()),
+                meta.id.clone(),
+            );
+        }
+        let session = Arc::new(Session::new(meta, workspace, Default::default()));
+        self.sessions
+            .insert(session.id().to_string(), session.clone());
+        Ok(session)
+    }
+
+    /// Reads every session on disk, so `entity_id` affinity survives a restart.
+    pub fn load_all(&self) -> io::Result<usize> {
+        let dir = self.data_dir.join("sessions");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        let mut n = 0;
+        for entry in entries.flatten() {
+            let Some(id) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if let Some(session) = self.get(&id) {
+                if let Some(entity) = &session.meta.entity_id {
+                    self.entities.insert(
+                        (
+                            session.meta.user.clone().unwrap_or_default(),
+                            entity.clone(),
+                        ),
+                        id,
+                    );
+                }
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+fn load(data_dir: &Path, id: &str) -> io::Result<Session> {
+    let workspace = Workspace::new(data_dir, id);
+    let meta: SessionMeta = workspace.load_meta(META_FILE)?;
+    if meta.id != id {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "session id mismatch",
+        ));
+    }
+    let index = workspace.load_index()?;
+    Ok(Session::new(meta, workspace, index))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::new_id;
+
+    #[test]
+    fn sessions_and_entities_survive_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = new_id();
+        let registry = Registry::new(tmp.path());
+        let ws = Workspace::new(tmp.path(), &id);
+        std::fs::create_dir_all(ws.files_dir()).unwrap();
+        let meta = SessionMeta {
+            id: id.clone(),
+            user: Some("u1".into()),
+            entity_id: Some("agent".into()),
+            created_ms: 1,
+        };
+        registry.insert_new(meta, ws).unwrap();
+        assert!(registry.by_entity(Some("u1"), "agent").is_some());
+        assert!(registry.by_entity(Some("u2"), "agent").is_none());
+
+        let again = Registry::new(tmp.path());
+        assert_eq!(again.load_all().unwrap(), 1);
+        let session = again.by_entity(Some("u1"), "agent").unwrap();
+        assert_eq!(session.id(), id);
+        assert!(again.get("not-an-id").is_none());
+        assert!(again.get(&new_id()).is_none());
+    }
+}
