@@ -1,0 +1,28 @@
+# codebroker: the commands people type.
+#   make image   build the sandbox image (runner and kernel included)
+#   make run     build and start the broker on 127.0.0.1:8000 without auth (local trial)
+#   make test    unit tests, then end-to-end tests against Docker and the image
+#   make bench   latency table side by side with the docker exec / docker run baselines
+
+IMAGE ?= codebroker-sandbox:latest
+CARGO ?= cargo
+
+.PHONY: image run test unit-test e2e-test bench lint
+
+image:
+	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
+
+run: image
+	CODEBROKER_AUTH=$${CODEBROKER_AUTH:-none} $(CARGO) run --release -p codebroker
+
+test: image
+	$(CARGO) test --workspace --lib --bins
+	$(CARGO) test -p sandbox-runner --tests
+	$(CARGO) test -p codebroker --tests -- --test-threads=4
+
+bench: image
+	$(CARGO) bench -p codebroker --bench exec
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings

@@ -1,0 +1,78 @@
+//! Hello world in each of the 13 languages, compile errors, and arguments.
+
+mod common;
+
+use common::{stderr, stdout, TestBroker};
+use serde_json::json;
+
+const HELLO: &[(&str, &str)] = &[
+    ("py", "print('hello from py')"),
+    ("js", "console.log('hello from js')"),
+    ("ts", "const who: string = 'ts';\nconsole.log(`hello from ${who}`);"),
+    ("c", "#include <stdio.h>\nint main(void) { printf(\"hello from c\\n\"); return 0; }"),
+    ("cpp", "#include <iostream>\nint main() { std::cout << \"hello from cpp\" << std::endl; }"),
+    ("java", "public class Greeter {\n  public static void main(String[] a) { System.out.println(\"hello from java\"); }\n}"),
+    ("php", "<?php echo \"hello from php\\n\";"),
+    ("rs", "fn main() { println!(\"hello from rs\"); }"),
+    ("go", "package main\nimport \"fmt\"\nfunc main() { fmt.Println(\"hello from go\") }"),
+    ("d", "import std.stdio;\nvoid main() { writeln(\"hello from d\"); }"),
+    ("f90", "program hello\n  print '(a)', 'hello from f90'\nend program hello"),
+    ("r", "cat('hello from r\\n')"),
+    ("bash", "echo hello from bash"),
+];
+
+#[tokio::test]
+async fn hello_world_in_every_language() {
+    let broker = TestBroker::start("langs").await;
+    let mut session: Option<String> = None;
+    for (lang, code) in HELLO {
+        let resp = broker.run(lang, code, session.as_deref()).await;
+        assert_eq!(
+            stdout(&resp).trim(),
+            format!("hello from {lang}"),
+            "{lang}: {resp}"
+        );
+        assert_eq!(resp["exit_code"], 0, "{lang}: {resp}");
+        assert_eq!(resp["limits"], json!([]), "{lang}: {resp}");
+        session = Some(common::session(&resp));
+    }
+}
+
+#[tokio::test]
+async fn compile_errors_show_in_stderr() {
+    let broker = TestBroker::start("compile").await;
+    let c = broker.run("c", "int main(void) { return undefined_name; }", None).await;
+    assert!(stderr(&c).contains("undefined_name"), "{c}");
+    assert_ne!(c["exit_code"], 0, "{c}");
+
+    let rs = broker.run("rs", "fn main() { let x: i32 = \"no\"; }", None).await;
+    assert!(stderr(&rs).contains("mismatched types"), "{rs}");
+    assert_ne!(rs["exit_code"], 0, "{rs}");
+}
+
+#[tokio::test]
+async fn args_reach_every_kind_of_program() {
+    let broker = TestBroker::start("args").await;
+    let cases = [
+        ("py", "import sys; print(sys.argv[1:])", "['a b', 'c']"),
+        ("bash", "echo \"$1|$2\"", "a b|c"),
+        ("js", "console.log(process.argv.slice(2).join('|'))", "a b|c"),
+        (
+            "c",
+            "#include <stdio.h>\nint main(int n, char **v) { printf(\"%s|%s\\n\", v[1], v[2]); }",
+            "a b|c",
+        ),
+    ];
+    for (lang, code, want) in cases {
+        let (status, resp) = broker
+            .exec(json!({ "lang": lang, "code": code, "args": ["a b", "c"] }))
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(stdout(&resp).trim(), want, "{lang}: {resp}");
+    }
+    // A single string is split at white space.
+    let (_, resp) = broker
+        .exec(json!({ "lang": "bash", "code": "echo $#", "args": "x y z" }))
+        .await;
+    assert_eq!(stdout(&resp).trim(), "3", "{resp}");
+}

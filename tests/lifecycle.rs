@@ -1,0 +1,150 @@
+//! Lockdown read back from `docker inspect`, idle removal, dead sandboxes, restarts.
+
+mod common;
+
+use codebroker::config::Config;
+use common::{inspect, session, stdout, TestBroker};
+use std::time::Duration;
+
+#[tokio::test]
+async fn lockdown_flags_read_back_from_docker_inspect() {
+    let broker = TestBroker::start("lockdown").await;
+    let resp = broker.run("bash", "id -u; echo $HOME; pwd", None).await;
+    let lines: Vec<&str> = stdout(&resp).lines().collect();
+    assert_eq!(lines, ["10001", "/mnt/data", "/mnt/data"], "{resp}");
+    let containers = broker.containers();
+    assert_eq!(containers.len(), 1);
+    let c = inspect(&containers[0]);
+    let host = &c["HostConfig"];
+    assert_eq!(host["NetworkMode"], "none");
+    assert_eq!(host["CapDrop"], serde_json::json!(["ALL"]));
+    assert!(host["SecurityOpt"]
+        .as_array()
+        .is_some_and(|o| o.iter().any(|v| v == "no-new-privileges")));
+    assert_eq!(host["ReadonlyRootfs"], true);
+    assert!(host["Tmpfs"]["/tmp"].as_str().unwrap_or("").contains("size="));
+    assert!(host["Tmpfs"]["/dev/shm"].as_str().unwrap_or("").contains("size="));
+    assert_eq!(host["PidsLimit"], 256);
+    assert_eq!(host["Memory"], host["MemorySwap"]);
+    assert!(host["Memory"].as_i64().unwrap_or(0) > 0);
+    assert!(host["NanoCpus"].as_i64().unwrap_or(0) > 0);
+    let ulimits = host["Ulimits"].as_array().expect("ulimits");
+    assert!(ulimits.iter().any(|u| u["Name"] == "nofile"));
+    assert!(ulimits.iter().any(|u| u["Name"] == "fsize"));
+    assert_eq!(host["IpcMode"], "private");
+    assert_eq!(host["LogConfig"]["Type"], "none");
+    assert_eq!(c["Config"]["User"], "10001:10001");
+    let labels = &c["Config"]["Labels"];
+    assert_eq!(labels["codebroker.instance"], broker.instance.as_str());
+    assert_eq!(labels["codebroker.session"], session(&resp).as_str());
+    assert!(labels["codebroker.created"].is_string());
+
+    // Root is read-only, /tmp is writable, there is no network.
+    let probe = broker
+        .run(
+            "bash",
+            "touch /usr/x 2>/dev/null && echo rw || echo ro; touch /tmp/x && echo tmp-ok; cat /sys/class/net/*/operstate 2>/dev/null | wc -l; ls /var/run/docker.sock 2>/dev/null || echo no-socket",
+            Some(&session(&resp)),
+        )
+        .await;
+    let out = stdout(&probe);
+    assert!(out.contains("ro\n"), "{probe}");
+    assert!(out.contains("tmp-ok"), "{probe}");
+    assert!(out.contains("no-socket"), "{probe}");
+}
+
+#[tokio::test]
+async fn an_idle_container_is_removed_and_the_session_restarts_on_its_files() {
+    let broker = TestBroker::start_with("idle", |c| {
+        c.idle_ttl_secs = 1;
+        c.reap_interval_secs = 1;
+    })
+    .await;
+    let first = broker.run("py", "x = 1\nopen('keep.txt','w').write('kept')", None).await;
+    let s = session(&first);
+    assert_eq!(broker.containers().len(), 1);
+    let mut gone = false;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if broker.containers().is_empty() {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "the idle container was not removed");
+    let next = broker
+        .run("py", "print(open('keep.txt').read(), 'x' in globals())", Some(&s))
+        .await;
+    assert_eq!(stdout(&next).trim(), "kept False", "{next}");
+    assert_eq!(next["runtime_status"], "new");
+}
+
+#[tokio::test]
+async fn a_dead_sandbox_is_replaced_without_touching_other_sessions() {
+    let broker = TestBroker::start("dead").await;
+    let a = broker.run("py", "a = 1", None).await;
+    let b = broker.run("py", "b = 2", None).await;
+    let (sa, sb) = (session(&a), session(&b));
+    let containers = broker.containers();
+    assert_eq!(containers.len(), 2);
+    // Kill the container of session a from outside.
+    let victim = containers
+        .iter()
+        .find(|id| inspect(id)["Config"]["Labels"]["codebroker.session"] == sa.as_str())
+        .expect("container of a")
+        .clone();
+    let _ = std::process::Command::new("docker").args(["kill", &victim]).output();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = broker.run("bash", "echo back", Some(&sa)).await;
+    assert_eq!(stdout(&again).trim(), "back", "{again}");
+    let other = broker.run("py", "print(b)", Some(&sb)).await;
+    assert_eq!(stdout(&other).trim(), "2", "{other}");
+    assert_eq!(other["runtime_status"], "reused");
+}
+
+#[tokio::test]
+async fn a_restarted_broker_finds_its_containers() {
+    let first = TestBroker::start("restart").await;
+    let resp = first.run("py", "x = 41\nopen('f.txt','w').write('hi')", None).await;
+    let s = session(&resp);
+    let file_id = resp["files"][0]["id"].as_str().expect("file id").to_string();
+    let instance = first.instance.clone();
+    let data = first.data.clone();
+    let tmp = first.stop().await;
+    assert_eq!(common::containers_of(&instance).len(), 1, "the container outlives the broker");
+
+    let mut config = Config::for_tests(data, &instance);
+    config.pool_size = 0;
+    let second = TestBroker::serve(config).await;
+    let next = second.run("py", "print(x + 1)", Some(&s)).await;
+    assert_eq!(stdout(&next).trim(), "42", "{next}");
+    assert_eq!(next["runtime_status"], "reused");
+    assert_eq!(second.containers().len(), 1);
+    let dl = second.get(&format!("/download/{s}/{file_id}")).await;
+    assert_eq!(dl.status(), 200);
+    assert_eq!(dl.text().await.unwrap_or_default(), "hi");
+    drop(second);
+    drop(tmp);
+}
+
+#[tokio::test]
+async fn new_sessions_come_from_the_pool() {
+    let broker = TestBroker::start_with("pool", |c| c.pool_size = 1).await;
+    let mut ready = false;
+    for _ in 0..100 {
+        let health: serde_json::Value = broker.get("/health").await.json().await.expect("json");
+        if health["pool"]["ready"] == 1 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ready, "the pool did not fill");
+    let resp = broker.run("py", "print(1)", None).await;
+    assert_eq!(stdout(&resp).trim(), "1");
+    assert_eq!(resp["runtime_status"], "new");
+    // Two distinct sessions never share a container or files.
+    let other = broker.run("bash", "ls", None).await;
+    assert_ne!(session(&other), session(&resp));
+    assert_eq!(stdout(&other), "");
+}
