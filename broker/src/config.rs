@@ -188,6 +188,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn env_example_lists_every_setting() {
+        use clap::CommandFactory;
+        let example = include_str!("../../.env.example");
+        for arg in Config::command().get_arguments() {
+            if let Some(env) = arg.get_env() {
+                let name = env.to_string_lossy();
+                assert!(
+                    example.contains(&format!("{name}=")),
+                    ".env.example lacks {name}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn refuses_to_start_without_key() {
         let config = Config::parse_from(["codebroker"]);
         assert!(config.validate().is_err());
