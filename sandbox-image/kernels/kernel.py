@@ -1,0 +1,583 @@
+"""The persistent Python kernel of a codebroker sandbox.
+
+The runner starts `python3 /opt/codebroker/kernel.py` with requests on fd 3 and events on
+fd 4, one JSON object per line (sandbox-image/README.md, "The kernel protocol"):
+
+    fd 4  <- {"event": "ready"}
+    fd 3  -> {"id": N, "code": "...", "args": ["a", "b"]}
+    fd 4  <- {"event": "done", "id": N, "exit_code": C}
+
+C is 0 when the code finished, 1 for an uncaught exception (traceback on stderr, without
+this file's frames), n for SystemExit(n). SIGINT during an exec raises KeyboardInterrupt in
+the code, which ends the exec like any exception; SIGINT between execs is ignored.
+
+Code runs like a notebook cell: globals persist in one `__main__` namespace, a trailing
+expression's repr is printed, top-level `await` works (on one event loop kept across execs),
+`plt.show()` saves the open figures as plot-<n>.png in the workspace and closes them.
+
+Start-up must be fast: nothing heavy (asyncio, matplotlib, and not even json, re, enum or
+linecache) is imported until it is needed. Host testing: CODEBROKER_WORKDIR (default
+/mnt/data) and CODEBROKER_MPL_CACHE (default /opt/codebroker/mplconfig) move the directories.
+"""
+
+import os
+import sys
+
+# The C halves of signal, json and ast: their Python wrappers pull in enum and re, which
+# would cost a good part of the start-up time. The wrappers are used where they are needed.
+try:
+    import _signal as signal
+except ImportError:  # not CPython
+    import signal
+try:
+    import _ast as ast_nodes
+except ImportError:
+    import ast as ast_nodes
+
+WORKDIR = os.environ.get("CODEBROKER_WORKDIR") or "/mnt/data"
+MPL_CACHE = os.environ.get("CODEBROKER_MPL_CACHE") or "/opt/codebroker/mplconfig"
+# The image's ENV sets these; the defaults keep a kernel started elsewhere sane.
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("MPLCONFIGDIR", "/tmp/.matplotlib")
+
+CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect
+PyCF_ONLY_AST = 0x0400  # ast.PyCF_ONLY_AST
+PyCF_ALLOW_TOP_LEVEL_AWAIT = 0x2000  # ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+
+KERNEL_FILE = (lambda: None).__code__.co_filename  # as it appears in tracebacks
+CELL_PREFIX = "<cell-"
+KERNEL_PID = os.getpid()
+
+
+# --------------------------------------------------------------------------------------------
+# File descriptors
+# --------------------------------------------------------------------------------------------
+
+def _private_dup(fd):
+    """A close-on-exec copy of fd, numbered high so user code is unlikely to hit it."""
+    import fcntl
+
+    for low in (1000, 512, 256, 100, 10):
+        try:
+            return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, low)
+        except OSError as e:
+            if e.errno == 9:  # EBADF: fd itself is not open
+                raise
+    return os.dup(fd)  # dup() is non-inheritable too
+
+
+def _take_channel():
+    """Move the request and event pipes off fds 3 and 4, out of reach of user code."""
+    try:
+        req, evt = _private_dup(3), _private_dup(4)
+    except OSError:
+        sys.stderr.write("kernel.py: needs the request pipe on fd 3 and the event pipe on fd 4\n")
+        os._exit(2)
+    os.close(3)
+    os.close(4)
+    return req, evt
+
+
+def _same_file(a, b):
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+STD_STREAMS = ((0, "stdin"), (1, "stdout"), (2, "stderr"))
+
+
+class Streams:
+    """The kernel's stdin/stdout/stderr, restored before every exec if user code replaced or
+    closed them (sys.stdout = ..., sys.stdout.close(), os.close(1), os.dup2(f, 1), exit())."""
+
+    def __init__(self):
+        # Private copies of fds 0-2, to repair them after os.close(1) or os.dup2(x, 1).
+        self.saved = {fd: _private_dup(fd) for fd, _ in STD_STREAMS}
+        # Line buffered, so a runner streaming output sees each line when it is printed, and
+        # not write-through (Python's default for pipes), which would cost a write() per
+        # print() argument.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.reconfigure(line_buffering=True, write_through=False)
+            except Exception:
+                pass
+        self.stdin, self.stdout, self.stderr = sys.stdin, sys.stdout, sys.stderr
+
+    def _reopen(self, fd, old):
+        import io
+
+        enc = getattr(old, "encoding", None) or "utf-8"
+        errors = getattr(old, "errors", None) or "strict"
+        if fd == 0:
+            return io.TextIOWrapper(io.open(fd, "rb", closefd=False), encoding=enc, errors=errors)
+        raw = io.open(fd, "wb", closefd=False)
+        return io.TextIOWrapper(raw, encoding=enc, errors=errors, line_buffering=True)
+
+    def restore(self):
+        for fd, name in STD_STREAMS:
+            if not _same_file(fd, self.saved[fd]):
+                try:
+                    os.dup2(self.saved[fd], fd)
+                except OSError:
+                    pass
+            stream = getattr(self, name)
+            if stream.closed:
+                stream = self._reopen(fd, stream)
+                setattr(self, name, stream)
+            setattr(sys, name, stream)
+            setattr(sys, "__%s__" % name, stream)
+
+    def flush(self):
+        for stream in (sys.stdout, sys.stderr, self.stdout, self.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if "ctypes" in sys.modules:  # C code that printf()s into libc's buffer
+            try:
+                import ctypes
+
+                ctypes.CDLL(None).fflush(None)
+            except Exception:
+                pass
+
+
+def _make_json_reader():
+    """json.loads for one request line, from the C scanner of _json when there is one."""
+    try:
+        import _json
+    except ImportError:
+        _json = None
+
+    class Context:
+        strict = True
+        object_hook = None
+        object_pairs_hook = None
+        parse_float = float
+        parse_int = int
+
+        @staticmethod
+        def parse_constant(name):
+            return {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}[name]
+
+    scan = getattr(_json, "make_scanner", None)
+    if scan is None:
+        import json
+
+        return json.loads
+    scanner = scan(Context)
+
+    def loads(text):
+        text = text.strip()
+        try:
+            value, end = scanner(text, 0)
+        except StopIteration:
+            end = -1
+        if end != len(text):
+            import json
+
+            return json.loads(text)  # raises the proper error
+        return value
+
+    return loads
+
+
+def _json_value(value):
+    if value is None:
+        return "null"
+    if type(value) is int:
+        return str(value)
+    if type(value) is str and value.isascii() and value.isalnum():
+        return '"%s"' % value
+    import json
+
+    return json.dumps(value)
+
+
+def _json_line(obj):
+    """One event line (events are flat objects with plain keys)."""
+    return "{%s}\n" % ",".join('"%s":%s' % (k, _json_value(v)) for k, v in obj.items())
+
+
+class Channel:
+    """Newline-delimited JSON over the private request/event fds."""
+
+    def __init__(self, req_fd, evt_fd):
+        self.req_fd, self.evt_fd = req_fd, evt_fd
+        self.buf = bytearray()
+        self.scanned = 0
+
+    def read(self):
+        """The next request line, or None at end of input."""
+        while True:
+            i = self.buf.find(b"\n", self.scanned)
+            if i >= 0:
+                line = bytes(self.buf[:i])
+                del self.buf[: i + 1]
+                self.scanned = 0
+                return line
+            self.scanned = len(self.buf)
+            chunk = os.read(self.req_fd, 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+
+    def send(self, obj):
+        if os.getpid() != KERNEL_PID:
+            return
+        data = memoryview(_json_line(obj).encode())
+        while data:
+            data = data[os.write(self.evt_fd, data):]
+
+
+# --------------------------------------------------------------------------------------------
+# Import hooks: linecache and matplotlib are set up when user code first imports them
+# --------------------------------------------------------------------------------------------
+
+SOURCES = {}  # linecache entries of the cells, for tracebacks, inspect and warnings
+
+
+def register_source(filename, code):
+    entry = (len(code), None, code.splitlines(True), filename)  # mtime None: never evicted
+    SOURCES[filename] = entry
+    linecache = sys.modules.get("linecache")
+    if linecache is not None:
+        linecache.cache[filename] = entry
+
+
+def fill_linecache(linecache):
+    for filename, entry in SOURCES.items():
+        linecache.cache.setdefault(filename, entry)
+
+
+class ImportHooks:
+    """A meta path finder that acts on the first import of a few modules, so that the kernel
+    need not import them itself: it prepares MPLCONFIGDIR before matplotlib is imported,
+    replaces pyplot.show once pyplot is loaded, and hands linecache the cells' sources."""
+
+    prepared = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "matplotlib":
+            self.prepare_config()
+            return None
+        if fullname == "matplotlib.pyplot":
+            return self.spec_with_hook(fullname, path, target, patch_pyplot)
+        if fullname == "linecache":
+            return self.spec_with_hook(fullname, path, target, fill_linecache)
+        return None
+
+    def spec_with_hook(self, fullname, path, target, after):
+        """The spec the other finders give, its loader calling after(module) once loaded."""
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_hook(module):
+            exec_module(module)
+            after(module)
+
+        try:
+            loader.exec_module = exec_and_hook  # this spec's own loader instance
+        except Exception:
+            pass
+        return spec
+
+    def invalidate_caches(self):
+        pass
+
+    def prepare_config(self):
+        """Copy the font cache made at build time, so matplotlib does not rebuild it."""
+        if ImportHooks.prepared:
+            return
+        ImportHooks.prepared = True
+        dest = os.environ.get("MPLCONFIGDIR")
+        if not dest:
+            return
+        try:
+            os.makedirs(dest, exist_ok=True)
+            names = os.listdir(MPL_CACHE)
+        except OSError:
+            return
+        for name in names:
+            src, dst = os.path.join(MPL_CACHE, name), os.path.join(dest, name)
+            try:
+                if os.path.isfile(src) and not os.path.exists(dst):
+                    with open(src, "rb") as f:
+                        data = f.read()
+                    with open(dst, "wb") as f:
+                        f.write(data)
+            except OSError:
+                pass
+
+
+def _new_plot_file():
+    """Create the first plot-<n>.png that does not exist yet (never following a link)."""
+    n = 1
+    while True:
+        path = os.path.join(WORKDIR, "plot-%d.png" % n)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            n += 1
+            continue
+        return path, os.fdopen(fd, "wb")
+
+
+def patch_pyplot(plt):
+    if getattr(plt.show, "_codebroker", False):
+        return
+    original = plt.show
+
+    def show(*args, **kwargs):
+        """Save every open figure as plot-<n>.png in the workspace, then close it."""
+        for num in plt.get_fignums():
+            fig = plt.figure(num)
+            path, f = _new_plot_file()
+            try:
+                with f:
+                    fig.savefig(f, format="png")
+            except BaseException:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                raise
+            finally:
+                plt.close(fig)
+
+    show._codebroker = True
+    show.__wrapped__ = original
+    plt.show = show
+
+
+# --------------------------------------------------------------------------------------------
+# Running code
+# --------------------------------------------------------------------------------------------
+
+def _ignore_sigint(signum, frame):
+    pass
+
+
+class Kernel:
+    def __init__(self, channel, streams):
+        self.channel = channel
+        self.streams = streams
+        self.cells = 0
+        self.loop = None
+        self.main = type(sys)("__main__")
+        self.main.__dict__.update(__builtins__=__builtins__, __spec__=None, __loader__=None)
+        self.ns = self.main.__dict__
+        self.loads = _make_json_reader()
+
+    # -- one exec ------------------------------------------------------------------------
+
+    def prepare(self, args):
+        self.streams.restore()
+        sys.modules["__main__"] = self.main
+        sys.argv = ["main.py"] + [str(a) for a in args]
+        try:
+            os.chdir(WORKDIR)
+        except OSError:
+            pass
+        if not sys.path or sys.path[0] != WORKDIR:
+            while WORKDIR in sys.path:
+                sys.path.remove(WORKDIR)
+            sys.path.insert(0, WORKDIR)
+        try:
+            import importlib
+
+            importlib.invalidate_caches()  # files written since the last exec are importable
+        except Exception:
+            pass
+
+    def compile(self, code):
+        """The cell as (body code object, trailing expression code object or None)."""
+        self.cells += 1
+        filename = "%s%d>" % (CELL_PREFIX, self.cells)
+        register_source(filename, code)
+        tree = compile(code, filename, "exec", PyCF_ONLY_AST, dont_inherit=True)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast_nodes.Expr):
+            last = ast_nodes.Expression(tree.body.pop().value)
+        flags = PyCF_ALLOW_TOP_LEVEL_AWAIT
+        body = compile(tree, filename, "exec", flags, dont_inherit=True)
+        expr = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
+        return body, expr
+
+    def evaluate(self, code):
+        result = eval(code, self.ns)
+        if code.co_flags & CO_COROUTINE:
+            result = self.run_coroutine(result)
+        return result
+
+    def run_coroutine(self, coro):
+        import asyncio
+
+        if self.loop is None or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        task = self.loop.create_task(coro)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()  # an interrupted cell must not resume in the next one
+                try:
+                    self.loop.run_until_complete(task)
+                except BaseException:
+                    pass
+            raise
+
+    def run(self, code, args):
+        """Run one cell; the exit code."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.prepare(args)
+        try:
+            body, expr = self.compile(code)
+            self.evaluate(body)
+            if expr is not None:
+                value = self.evaluate(expr)
+                if value is not None and not code.rstrip().endswith(";"):
+                    print(repr(value))
+            return 0
+        except SystemExit as e:
+            signal.signal(signal.SIGINT, _ignore_sigint)
+            return self.exit_code(e)
+        except BaseException as e:
+            signal.signal(signal.SIGINT, _ignore_sigint)
+            self.report(e)
+            return 1
+        finally:
+            signal.signal(signal.SIGINT, _ignore_sigint)
+
+    def exit_code(self, e):
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code & 0xFF
+        try:
+            print(code, file=sys.stderr)
+        except Exception:
+            pass
+        return 1
+
+    # -- tracebacks ----------------------------------------------------------------------
+
+    def user_traceback(self, exc):
+        """The traceback from the first frame of a cell on, without this file's frames."""
+        entries = []
+        tb = exc.__traceback__
+        while tb is not None:
+            entries.append(tb)
+            tb = tb.tb_next
+        for i, entry in enumerate(entries):
+            if entry.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+                entries = entries[i:]
+                break
+        else:
+            if isinstance(exc, KeyboardInterrupt):
+                # Interrupted outside any cell frame (say, in the event loop's select):
+                # the frames would only show the kernel's machinery.
+                return None
+        entries = [t for t in entries if t.tb_frame.f_code.co_filename != KERNEL_FILE]
+        new = None
+        for t in reversed(entries):
+            new = type(t)(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
+        return new
+
+    def report(self, exc):
+        try:
+            import linecache
+            import traceback
+
+            fill_linecache(linecache)  # in case user code cleared it
+            tb = self.user_traceback(exc)
+            exc.__traceback__ = tb
+            sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+            lines = traceback.format_exception(type(exc), exc, tb)
+        except BaseException:
+            lines = ["%s: %s\n" % (type(exc).__name__, exc)]
+        text = "".join(lines)
+        for stream in (sys.stderr, self.streams.stderr):
+            try:
+                stream.write(text)
+                stream.flush()
+                return
+            except BaseException:
+                continue
+
+    # -- the request loop -----------------------------------------------------------------
+
+    def serve(self):
+        self.channel.send({"event": "ready"})
+        while True:
+            try:
+                line = self.channel.read()
+            except OSError:
+                line = None
+            if line is None:
+                return
+            req_id, exit_code = None, 1
+            try:
+                try:
+                    req = self.loads(line.decode("utf-8"))
+                    if not isinstance(req, dict):
+                        raise ValueError("not a JSON object")
+                    req_id = req.get("id")
+                    code, args = req.get("code", ""), req.get("args") or []
+                    if not isinstance(code, str) or not isinstance(args, list):
+                        raise ValueError("code must be a string and args a list")
+                except Exception as e:
+                    try:
+                        self.streams.stderr.write("kernel.py: bad request: %s\n" % e)
+                    except Exception:
+                        pass
+                else:
+                    exit_code = self.run(code, args)
+            except KeyboardInterrupt:
+                # SIGINT landed in the kernel's own code around the cell: still an interrupt.
+                signal.signal(signal.SIGINT, _ignore_sigint)
+                exit_code = 1
+            self.streams.flush()
+            if os.getpid() != KERNEL_PID:
+                os._exit(exit_code)  # a fork() in user code must not answer for the kernel
+            try:
+                self.channel.send({"event": "done", "id": req_id, "exit_code": exit_code})
+            except OSError:
+                return
+
+
+def main():
+    signal.signal(signal.SIGINT, _ignore_sigint)
+    req_fd, evt_fd = _take_channel()
+    streams = Streams()
+    # The kernel's own directory must not shadow user modules (or offer `import kernel`).
+    if sys.path and sys.path[0] == os.path.dirname(KERNEL_FILE):
+        sys.path[0] = WORKDIR
+    sys.meta_path.insert(0, ImportHooks())
+    kernel_module = sys.modules["__main__"]  # keeps this module alive once user code owns __main__
+    kernel = Kernel(Channel(req_fd, evt_fd), streams)
+    try:
+        kernel.serve()
+    finally:
+        streams.flush()
+        del kernel_module
+    os._exit(0)  # no user atexit handlers or thread joins between the runner and a clean exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,611 @@
+"""Tests of kernel.py over its real protocol: requests on fd 3, events on fd 4.
+
+On the host:       python3 -m pytest sandbox-image/kernels/test_kernel.py
+In the image (no pytest there):
+    docker run --rm --entrypoint python3 codebroker-sandbox:latest /opt/codebroker/test_kernel.py
+
+Each test starts its own kernel with a fresh temporary workspace (CODEBROKER_WORKDIR) and
+matplotlib config dir (MPLCONFIGDIR). The plot test needs matplotlib; it is skipped without it.
+"""
+
+import fcntl
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL = os.environ.get("KERNEL_PY") or os.path.join(HERE, "kernel.py")
+
+try:
+    import pytest
+except ImportError:  # running in the image: see main() below
+    pytest = None
+
+
+class Skip(Exception):
+    pass
+
+
+def skip(reason):
+    if pytest is not None:
+        pytest.skip(reason)
+    raise Skip(reason)
+
+
+def _build_mpl_cache():
+    """A font cache to copy: the image's, or one made now in a temporary directory."""
+    image_cache = "/opt/codebroker/mplconfig"
+    if os.path.isdir(image_cache):
+        return image_cache
+    d = os.path.join(tempfile.gettempdir(), "codebroker-test-mplcache")
+    if not os.path.isdir(d):
+        tmp = tempfile.mkdtemp()
+        env = dict(os.environ, MPLCONFIGDIR=tmp, MPLBACKEND="Agg")
+        subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"], env=env, check=False)
+        os.replace(tmp, d)
+    return d
+
+
+class Kernel:
+    """One kernel process with its pipes, like the runner starts it."""
+
+    def __init__(self, mpl_cache=None):
+        self.workdir = tempfile.mkdtemp(prefix="cb-work-")
+        self.mplconfig = os.path.join(tempfile.mkdtemp(prefix="cb-mpl-"), "mplconfig")
+        req_r, self.req_w = os.pipe()
+        self.evt_r, evt_w = os.pipe()
+        env = dict(os.environ)
+        env.update(
+            CODEBROKER_WORKDIR=self.workdir,
+            MPLCONFIGDIR=self.mplconfig,
+            MPLBACKEND="Agg",
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+        if mpl_cache:
+            env["CODEBROKER_MPL_CACHE"] = mpl_cache
+
+        def child():
+            # Move the pipe ends to fds 3 and 4 (via high numbers, so nothing is clobbered).
+            a = fcntl.fcntl(req_r, fcntl.F_DUPFD, 100)
+            b = fcntl.fcntl(evt_w, fcntl.F_DUPFD, 100)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+            os.close(a)
+            os.close(b)
+
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, KERNEL],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=self.workdir,
+            env=env,
+            close_fds=False,  # fds 3 and 4 are made in preexec_fn; os.pipe() fds are CLOEXEC
+            preexec_fn=child,
+            start_new_session=True,
+        )
+        os.close(req_r)
+        os.close(evt_w)
+        self.bufs = {"stdout": bytearray(), "stderr": bytearray(), "events": bytearray()}
+        self.sel = selectors.DefaultSelector()
+        for name, fd in (
+            ("stdout", self.proc.stdout.fileno()),
+            ("stderr", self.proc.stderr.fileno()),
+            ("events", self.evt_r),
+        ):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ, name)
+        self.next_id = 1
+        ready = self.event(timeout=30)
+        self.start_time = time.monotonic() - self.started
+        assert ready == {"event": "ready"}, ready
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _pump(self, timeout):
+        for key, _ in self.sel.select(timeout):
+            self._drain(key.fd, key.data)
+
+    def _drain(self, fd, name):
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self.sel.unregister(fd)
+                return
+            self.bufs[name] += chunk
+
+    def event(self, timeout=30):
+        """The next event line from fd 4, or None at EOF/timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            buf = self.bufs["events"]
+            i = buf.find(b"\n")
+            if i >= 0:
+                line = bytes(buf[:i])
+                del buf[: i + 1]
+                return json.loads(line)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.get_map():
+                return None
+            self._pump(left)
+
+    def take_output(self):
+        # The kernel flushes stdout/stderr before it writes `done`, so everything is in the
+        # pipes by now: drain them without waiting.
+        for name, fd in (("stdout", self.proc.stdout.fileno()), ("stderr", self.proc.stderr.fileno())):
+            if fd in self.sel.get_map():
+                self._drain(fd, name)
+        out = bytes(self.bufs["stdout"]).decode()
+        err = bytes(self.bufs["stderr"]).decode()
+        self.bufs["stdout"].clear()
+        self.bufs["stderr"].clear()
+        return out, err
+
+    def send(self, code, args=(), req_id=None, ensure_ascii=True):
+        if req_id is None:
+            req_id = self.next_id
+            self.next_id += 1
+        line = json.dumps({"id": req_id, "code": code, "args": list(args)}, ensure_ascii=ensure_ascii) + "\n"
+        os.write(self.req_w, line.encode())
+        return req_id
+
+    def run(self, code, args=(), timeout=30):
+        """Run code; (exit_code, stdout, stderr)."""
+        req_id = self.send(code, args)
+        ev = self.event(timeout)
+        assert ev is not None, "no done within %ss" % timeout
+        assert ev == {"event": "done", "id": req_id, "exit_code": ev.get("exit_code")}, ev
+        out, err = self.take_output()
+        return ev["exit_code"], out, err
+
+    def interrupt(self):
+        os.kill(self.proc.pid, signal.SIGINT)
+
+    def close(self):
+        try:
+            os.close(self.req_w)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.sel.close()
+        os.close(self.evt_r)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.mplconfig), ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def assert_ok(result, stdout):
+    code, out, err = result
+    assert (code, out) == (0, stdout), (code, out, err)
+
+
+# -- start-up -------------------------------------------------------------------------------
+
+
+def test_ready_fast_and_light():
+    times = []
+    for _ in range(3):
+        with Kernel() as k:
+            times.append(k.start_time)
+            code, out, err = k.run(
+                "import sys\n"
+                "print(sorted(m for m in ('asyncio', 'matplotlib', 'numpy') if m in sys.modules))\n"
+                "print(sorted(m for m in ('ast', 'enum', 'json', 're', 'linecache') if m in sys.modules))"
+            )
+            assert code == 0, err
+            heavy, light = out.splitlines()
+            assert heavy == "[]", out  # never imported unless the code asks for them
+    # light: not imported by the kernel either (in the image; a host's site may import them)
+    print("kernel start (spawn to ready): %s; light modules loaded: %s"
+          % (", ".join("%.0f ms" % (t * 1000) for t in times), light))
+
+
+def test_sources_for_traceback_module_and_inspect():
+    with Kernel() as k:
+        assert_ok(k.run("def double(x):\n    return 2 * x\n"), "")
+        code, out, err = k.run(
+            "import traceback, inspect, warnings\n"
+            "try:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.print_exc()\n"
+            "print(inspect.getsource(double), end='')\n"
+            "warnings.warn('careful')\n"
+        )
+        assert code == 0, err
+        assert out == "def double(x):\n    return 2 * x\n", out
+        assert "    1 / 0\n" in err and "ZeroDivisionError" in err, err
+        assert "UserWarning: careful" in err and "warnings.warn('careful')" in err, err
+
+
+def test_eof_on_requests_ends_the_kernel():
+    k = Kernel()
+    os.close(k.req_w)
+    assert k.proc.wait(5) == 0
+    k.req_w = os.open(os.devnull, os.O_WRONLY)
+    k.close()
+
+
+# -- state and display ------------------------------------------------------------------------
+
+
+def test_state_survives():
+    with Kernel() as k:
+        assert_ok(k.run("x = 41"), "")
+        assert_ok(k.run("print(x + 1)"), "42\n")
+
+        assert_ok(k.run("def f(a):\n    return a * 2\n"), "")
+        assert_ok(k.run("f(21)"), "42\n")
+
+
+def test_trailing_expression():
+    with Kernel() as k:
+        assert_ok(k.run("1 + 1"), "2\n")
+        assert_ok(k.run("'abc'"), "'abc'\n")
+        assert_ok(k.run("y = 3\ny * 2"), "6\n")
+        assert_ok(k.run("None"), "")
+        assert_ok(k.run("print('hi')"), "hi\n")  # print's None is not shown
+        assert_ok(k.run("y"), "3\n")
+        assert_ok(k.run("y;"), "")  # a trailing semicolon hides it, as in notebooks
+        assert_ok(k.run("z = 5"), "")
+        assert_ok(k.run(""), "")
+        assert_ok(k.run("# only a comment\n"), "")
+        assert_ok(k.run("if True:\n    7\n"), "")  # not a top-level expression
+
+
+def test_main_namespace():
+    with Kernel() as k:
+        assert_ok(k.run("__name__"), "'__main__'\n")
+        assert_ok(
+            k.run(
+                "import pickle, sys\n"
+                "class P:\n    pass\n"
+                "print(type(pickle.loads(pickle.dumps(P()))).__name__, sys.modules['__main__'].P is P)"
+            ),
+            "P True\n",
+        )
+        # the kernel's own globals are not in the user's namespace
+        assert_ok(k.run("print(sorted(k for k in globals() if not k.startswith('__')))"), "['P', 'pickle', 'sys']\n")
+
+
+# -- errors and exits --------------------------------------------------------------------------
+
+
+def test_exception_traceback_without_kernel_frames():
+    with Kernel() as k:
+        code, out, err = k.run("a = 1\n1 / 0\n")
+        assert code == 1
+        assert out == ""
+        assert err.startswith("Traceback (most recent call last):\n"), err
+        assert "ZeroDivisionError: division by zero" in err
+        assert '"<cell-1>", line 2, in <module>' in err
+        assert "1 / 0" in err  # the source line is shown
+        assert "kernel.py" not in err, err
+        assert err.count("File ") == 1, err
+
+        # a function from an earlier cell: both cells' lines are shown
+        assert_ok(k.run("def boom():\n    raise ValueError('nope')\n"), "")
+        code, out, err = k.run("boom()")
+        assert code == 1
+        assert "<cell-3>" in err and "<cell-2>" in err, err
+        assert "raise ValueError('nope')" in err
+        assert "ValueError: nope" in err
+        assert "kernel.py" not in err, err
+
+        assert_ok(k.run("print(a)"), "1\n")  # the kernel is still there
+
+
+def test_bad_requests():
+    with Kernel() as k:
+        for line in (b"not json\n", b"[1, 2]\n", b'{"id": 7, "code": 5}\n', b"\n"):
+            os.write(k.req_w, line)
+            ev = k.event()
+            assert ev["event"] == "done" and ev["exit_code"] == 1, ev
+            assert ev["id"] in (None, 7), ev
+            assert "bad request" in k.take_output()[1]
+        assert_ok(k.run("print('fine')"), "fine\n")
+
+
+def test_syntax_error():
+    with Kernel() as k:
+        code, out, err = k.run("x = (\n")
+        assert code == 1
+        assert "SyntaxError" in err, err
+        assert "kernel.py" not in err and "Traceback" not in err, err
+        assert_ok(k.run("1"), "1\n")
+
+
+def test_repr_error_and_chained_exceptions():
+    with Kernel() as k:
+        code, out, err = k.run("class R:\n    def __repr__(self):\n        raise KeyError('r')\nR()")
+        assert code == 1
+        assert "KeyError: 'r'" in err and "__repr__" in err, err
+        assert "kernel.py" not in err, err
+        code, out, err = k.run("try:\n    {}['k']\nexcept KeyError as e:\n    raise RuntimeError('x') from e\n")
+        assert code == 1
+        assert "KeyError: 'k'" in err and "RuntimeError: x" in err and "direct cause" in err, err
+        assert "kernel.py" not in err, err
+
+
+def test_system_exit():
+    with Kernel() as k:
+        assert k.run("import sys\nprint('before')\nsys.exit(3)") == (3, "before\n", "")
+        assert k.run("raise SystemExit(0)") == (0, "", "")
+        assert k.run("sys.exit()") == (0, "", "")
+        assert k.run("sys.exit(True)") == (1, "", "")
+        assert k.run("sys.exit(-1)") == (255, "", "")
+        assert k.run("sys.exit('bye')") == (1, "", "bye\n")
+        assert k.run("exit(4)") == (4, "", "")  # site's exit() also closes sys.stdin
+        code, out, err = k.run("input()")
+        assert code == 1 and "EOFError" in err, err  # stdin is back (at EOF, like /dev/null)
+        assert_ok(k.run("print('alive')"), "alive\n")
+
+
+def test_output_is_flushed_before_done():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import sys\nsys.stdout.write('no newline')\nsys.stderr.write('err no newline')\n"
+            "print('x' * 100000, end='')"
+        )
+        assert code == 0
+        assert out == "no newline" + "x" * 100000
+        assert err == "err no newline"
+
+
+def test_output_streams_while_running():
+    with Kernel() as k:
+        req_id = k.send("import time\nprint('first')\ntime.sleep(1)\nprint('second')")
+        deadline = time.monotonic() + 0.8
+        while b"first\n" not in k.bufs["stdout"] and time.monotonic() < deadline:
+            k._pump(0.05)
+        assert bytes(k.bufs["stdout"]) == b"first\n"  # line by line, not at the end
+        assert k.event() == {"event": "done", "id": req_id, "exit_code": 0}
+        assert k.take_output() == ("first\nsecond\n", "")
+
+
+def test_unicode_and_recursion():
+    with Kernel() as k:
+        assert_ok(k.run("print('h\u00e9llo \u2713')\n'\u00e9'"), "h\u00e9llo \u2713\n'\u00e9'\n")
+        # raw UTF-8 in the request line, as serde_json writes it
+        req_id = k.send("print('\u00e9\u2713 \U0001f600', 'a\\tb')", ensure_ascii=False)
+        assert k.event() == {"event": "done", "id": req_id, "exit_code": 0}
+        assert k.take_output() == ("\u00e9\u2713 \U0001f600 a\tb\n", "")
+        code, out, err = k.run("def f():\n    return f()\nf()")
+        assert code == 1 and "RecursionError" in err and "kernel.py" not in err, err
+        assert_ok(k.run("1"), "1\n")
+
+
+def test_subprocess_output_and_fds():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import subprocess, sys\n"
+            "subprocess.run(['echo', 'from child'])\n"
+            "subprocess.run([sys.executable, '-c', "
+            "'import os; print(sorted(int(f) for f in os.listdir(\"/proc/self/fd\")))'])\n"
+            "import os\n"
+            "rc = os.system('echo from shell >&2')\n"
+        )
+        assert code == 0, err
+        # the child sees stdin/stdout/stderr and the fd listdir() opened, none of the pipes
+        assert out == "from child\n[0, 1, 2, 3]\n", out
+        assert err == "from shell\n"
+
+
+# -- top-level await -----------------------------------------------------------------------------
+
+
+def test_top_level_await():
+    with Kernel() as k:
+        assert_ok(k.run("import asyncio\nawait asyncio.sleep(0.01)\nprint('slept')"), "slept\n")
+        assert_ok(k.run("await asyncio.sleep(0, result=7)"), "7\n")
+        assert_ok(k.run("async def twice(v):\n    await asyncio.sleep(0)\n    return 2 * v\n"), "")
+        assert_ok(k.run("[await twice(i) for i in range(3)]"), "[0, 2, 4]\n")
+        assert_ok(k.run("r = await asyncio.gather(twice(1), twice(2))\nr"), "[2, 4]\n")
+        # a plain cell may still start its own loop
+        assert_ok(k.run("asyncio.run(twice(5))"), "10\n")
+        # one loop for all cells, like a notebook
+        assert_ok(
+            k.run("async def cur():\n    return asyncio.get_running_loop()\nl1 = await cur()"),
+            "",
+        )
+        assert_ok(k.run("l2 = await cur()\nprint(l1 is l2)"), "True\n")
+        code, out, err = k.run("async def bad():\n    raise ValueError('async')\nawait bad()")
+        assert code == 1
+        assert "ValueError: async" in err and "<cell-" in err, err
+        assert "kernel.py" not in err and "asyncio" not in err, err
+
+
+# -- argv, cwd, sys.path -----------------------------------------------------------------------
+
+
+def test_argv_cwd_and_path():
+    with Kernel() as k:
+        assert_ok(k.run("import sys\nsys.argv", args=["a", "b c"]), "['main.py', 'a', 'b c']\n")
+        assert_ok(k.run("sys.argv"), "['main.py']\n")
+        assert_ok(k.run("import os\nos.chdir('/')\nos.getcwd()"), "'/'\n")
+        code, out, err = k.run("os.getcwd() == %r and sys.path[0] == %r" % (k.workdir, k.workdir))
+        assert (code, out) == (0, "True\n"), (out, err)
+        # a module written into the workspace is importable right away
+        assert_ok(k.run("open('mymod.py', 'w').write('V = 5\\n')\nimport mymod\nmymod.V"), "5\n")
+        assert k.run("open('mymod2.py', 'w').write('V = 6\\n')")[0] == 0
+        assert_ok(k.run("import mymod2\nmymod2.V"), "6\n")
+        code, out, err = k.run("import kernel")
+        assert code == 1 and "ModuleNotFoundError" in err, err  # the kernel's dir is not on sys.path
+
+
+# -- interrupts ---------------------------------------------------------------------------------
+
+
+def _interrupt_after(k, code, delay=0.3):
+    req_id = k.send(code)
+    time.sleep(delay)
+    k.interrupt()
+    ev = k.event(timeout=5)
+    assert ev == {"event": "done", "id": req_id, "exit_code": 1}, ev
+    return k.take_output()
+
+
+def test_sigint_busy_loop():
+    with Kernel() as k:
+        out, err = _interrupt_after(k, "print('start')\nwhile True:\n    pass\n")
+        assert out == "start\n"
+        assert err.startswith("Traceback") and err.rstrip().endswith("KeyboardInterrupt"), err
+        assert "<cell-1>" in err and "kernel.py" not in err, err
+        assert_ok(k.run("print('alive')"), "alive\n")
+
+
+def test_sigint_sleep_and_await():
+    with Kernel() as k:
+        out, err = _interrupt_after(k, "import time\ntime.sleep(100)")
+        assert "KeyboardInterrupt" in err and "kernel.py" not in err, err
+        out, err = _interrupt_after(k, "import asyncio\nawait asyncio.sleep(100)")
+        assert "KeyboardInterrupt" in err and "kernel.py" not in err, err
+        # the interrupted cell does not resume, and the loop still works
+        assert_ok(k.run("await asyncio.sleep(0.01)\nprint('ok')"), "ok\n")
+        out, err = _interrupt_after(k, "await asyncio.sleep(0)\nwhile True:\n    pass\n")
+        assert "KeyboardInterrupt" in err and "kernel.py" not in err, err
+        assert_ok(k.run("await asyncio.sleep(0, result='ok')"), "'ok'\n")
+
+
+def test_sigint_between_execs_is_ignored():
+    with Kernel() as k:
+        assert_ok(k.run("x = 1"), "")
+        k.interrupt()
+        time.sleep(0.2)
+        assert k.proc.poll() is None
+        assert_ok(k.run("x"), "1\n")
+
+
+def test_user_sigint_handler_and_keyboardinterrupt_catch():
+    with Kernel() as k:
+        out, err = _interrupt_after(
+            k, "import time\ntry:\n    time.sleep(100)\nexcept KeyboardInterrupt:\n    print('caught')\n    raise\n"
+        )
+        assert out == "caught\n"
+
+
+# -- user code that breaks things ---------------------------------------------------------------
+
+
+def test_user_closes_channel_fds():
+    with Kernel() as k:
+        code, out, err = k.run("import os\nfor fd in (3, 4):\n    try:\n        os.close(fd)\n    except OSError:\n        pass\n")
+        assert code == 0, err
+        assert_ok(k.run("print('still here')"), "still here\n")
+        # fds 3 and 4 are free for user code
+        assert_ok(k.run("f = open('a.txt', 'w')\nf.fileno() <= 4"), "True\n")
+
+
+def test_user_breaks_stdout():
+    with Kernel() as k:
+        assert k.run("import sys\nsys.stdout.close()")[0] == 0
+        assert_ok(k.run("print('reopened')"), "reopened\n")
+        assert k.run("import io\nsys.stdout = io.StringIO()\nprint('lost')")[0] == 0
+        assert_ok(k.run("print('restored')"), "restored\n")
+        assert k.run("import os\nos.close(1)")[0] == 0
+        assert_ok(k.run("print('fd 1 back')\nos.system('echo shell too')"), "fd 1 back\nshell too\n0\n")
+        assert k.run("f = open('x.txt', 'w')\nos.dup2(f.fileno(), 1)")[0] == 0
+        assert_ok(k.run("print('not in the file')"), "not in the file\n")
+        assert k.run("sys.stderr.close()")[0] == 0
+        code, out, err = k.run("1/0")
+        assert code == 1 and "ZeroDivisionError" in err
+
+
+def test_fork_child_does_not_answer():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import os\npid = os.fork()\n"
+            "if pid == 0:\n    print('child')\nelse:\n    os.waitpid(pid, 0)\n    print('parent')\n"
+        )
+        assert code == 0
+        assert sorted(out.split()) == ["child", "parent"], out
+        assert k.event(timeout=0.3) is None  # exactly one done
+        assert_ok(k.run("print('next')"), "next\n")
+
+
+# -- matplotlib -------------------------------------------------------------------------------
+
+
+def test_plt_show_saves_plots():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        skip("matplotlib is not installed")
+    with Kernel(mpl_cache=_build_mpl_cache()) as k:
+        assert_ok(k.run("import sys\n'matplotlib' in sys.modules"), "False\n")
+        code, out, err = k.run(
+            "import matplotlib.pyplot as plt\n"
+            "plt.plot([1, 2, 3], [4, 1, 9])\n"
+            "plt.show()\n"
+            "print(plt.get_fignums(), plt.get_backend())"
+        )
+        assert code == 0, err
+        assert out in ("[] agg\n", "[] Agg\n"), out
+        assert os.listdir(k.workdir) == ["plot-1.png"]
+        with open(os.path.join(k.workdir, "plot-1.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        # the font cache was copied, not rebuilt
+        assert any(n.startswith("fontlist") for n in os.listdir(k.mplconfig)), os.listdir(k.mplconfig)
+
+        # two figures in one show(); a taken name is skipped; `from ... import show` too
+        open(os.path.join(k.workdir, "plot-3.png"), "w").close()
+        code, out, err = k.run(
+            "from matplotlib.pyplot import show\n"
+            "import matplotlib\n"
+            "matplotlib.use('Agg')\n"
+            "plt.figure(); plt.plot([1, 2])\n"
+            "plt.figure(); plt.bar([1, 2], [3, 4])\n"
+            "show()\n"
+        )
+        assert code == 0, err
+        assert sorted(os.listdir(k.workdir)) == ["plot-1.png", "plot-2.png", "plot-3.png", "plot-4.png"]
+        assert os.path.getsize(os.path.join(k.workdir, "plot-4.png")) > 0
+        assert_ok(k.run("plt.show()\nplt.get_fignums()"), "[]\n")  # nothing open, nothing saved
+        assert len(os.listdir(k.workdir)) == 4
+
+
+# -- without pytest -----------------------------------------------------------------------------
+
+
+def main():
+    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
+    failed = 0
+    for name, fn in tests:
+        t = time.monotonic()
+        try:
+            fn()
+        except Skip as e:
+            print("SKIP %s (%s)" % (name, e))
+            continue
+        except Exception:
+            import traceback
+
+            failed += 1
+            print("FAIL %s" % name)
+            traceback.print_exc()
+            continue
+        print("ok   %s (%.2fs)" % (name, time.monotonic() - t))
+    print("%d passed, %d failed" % (len(tests) - failed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
