@@ -1,1 +1,281 @@
-fn main() {}
+//! The runner: PID 1 of every sandbox container.
+//!
+//! Threads, all started once (a fork bomb may leave no room for new ones later):
+//! * the main thread reads frames from stdin, answers `hello` itself and hands execs and
+//!   cancels to the worker;
+//! * the worker runs one exec at a time, or waits with the idle Python kernel, in a
+//!   `ppoll` loop over the pipes of the exec and a wake-up pipe (see `worker`);
+//! * the reaper waits for every child and orphan (see `reaper`).
+//!
+//! Children run at nice 10 with an OOM score adjustment of 500, so that under a fork bomb
+//! or memory pressure the runner keeps the CPU it needs and is not the OOM killer's pick.
+//!
+//! End of file on stdin: the exec in hand finishes and is answered, everything left is
+//! killed, and the runner exits 0.
+//!
+//! Signals: none are handled except, as PID 1, SIGTERM and SIGINT sent from outside the
+//! container (`docker stop`), which make the runner exit 0 at once (the kernel then kills
+//! the rest of the container). The same signals sent from inside the container (user
+//! code) are ignored, as are all signals without a handler: the kernel does not deliver
+//! them to a namespace's init. SIGCHLD is blocked in every thread and waited for by the
+//! reaper.
+
+mod capture;
+mod frame;
+mod lang;
+mod reaper;
+mod spawn;
+mod sweep;
+mod sys;
+mod worker;
+
+use frame::{Channel, Line, Parsed};
+use reaper::Tracker;
+use sandbox_runner::{CoordinatorMessage, HelloResponse, WorkerMessage, UNSOLICITED};
+use std::ffi::{CString, OsString};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use worker::{Control, Task, Worker};
+
+/// Settings, from the environment so the runner can be tested on a host.
+pub struct Config {
+    /// The session workspace: working directory and `HOME` of every program.
+    pub workdir: PathBuf,
+    /// The Python kernel script started for `py`.
+    pub kernel_script: PathBuf,
+    /// The interpreter that runs the kernel script.
+    pub python: String,
+    /// Where per-exec directories are made; also `TMPDIR` of programs.
+    pub tmp: PathBuf,
+    /// The environment of every program, prepared once as `KEY=VALUE` strings.
+    pub env: Vec<CString>,
+    /// The programs' `PATH`, to resolve command names before forking.
+    pub path: OsString,
+    /// Whether the runner is PID 1 (in a container) rather than a process on a host: it
+    /// decides what the sweep may kill and who reaps orphans.
+    pub pid1: bool,
+}
+
+/// PATH when the image sets none.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+impl Config {
+    fn from_env(pid1: bool) -> Self {
+        let var = |name: &str, default: &str| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| default.into())
+        };
+        let workdir = PathBuf::from(var("CODEBROKER_WORKDIR", "/mnt/data"));
+        let tmp = PathBuf::from(var("CODEBROKER_TMP", "/tmp"));
+        let path = var("PATH", DEFAULT_PATH);
+        // Programs inherit the image's ENV, with the few variables the contract fixes.
+        let fixed: [(&str, OsString); 4] = [
+            ("PATH", path.clone()),
+            ("HOME", workdir.clone().into_os_string()),
+            ("LANG", "C.UTF-8".into()),
+            ("TMPDIR", tmp.clone().into_os_string()),
+        ];
+        let mut env: Vec<CString> = std::env::vars_os()
+            .filter(|(k, _)| !fixed.iter().any(|(f, _)| k.as_bytes() == f.as_bytes()))
+            .chain(fixed.iter().map(|(k, v)| (OsString::from(k), v.clone())))
+            .filter_map(|(k, v)| {
+                let mut kv = k.into_vec();
+                kv.push(b'=');
+                kv.extend_from_slice(v.as_bytes());
+                CString::new(kv).ok()
+            })
+            .collect();
+        env.sort();
+        Config {
+            workdir,
+            kernel_script: PathBuf::from(var("CODEBROKER_KERNEL", "/opt/codebroker/kernel.py")),
+            python: var("CODEBROKER_PYTHON", "python3")
+                .to_string_lossy()
+                .into_owned(),
+            tmp,
+            env,
+            path,
+            pid1,
+        }
+    }
+}
+
+fn main() {
+    // SAFETY: getpid and prctl with these arguments have no memory-safety preconditions.
+    let pid1 = unsafe {
+        // Non-dumpable: user code (same uid) can neither ptrace the runner nor open its
+        // /proc/<pid>/fd, so it cannot reach the channel to forge frames.
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+        let pid1 = libc::getpid() == 1;
+        if !pid1 {
+            // On a host, orphans of our descendants must still come back to us, both to be
+            // reaped and to be found by the sweep.
+            libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+        }
+        pid1
+    };
+    // Before any thread starts, so all inherit it: the reaper waits for SIGCHLD.
+    reaper::block_sigchld();
+    if pid1 {
+        install_stop_handlers();
+    }
+    close_inherited_fds_on_exec();
+
+    let cfg = Arc::new(Config::from_env(pid1));
+    let chan = Arc::new(Channel::stdout());
+    let (wake_r, wake_w) = match sys::pipe() {
+        Ok(p) => p,
+        Err(e) => fatal(&format!("pipe: {e}")),
+    };
+    for fd in [&wake_r, &wake_w] {
+        if let Err(e) = sys::set_nonblocking(fd) {
+            fatal(&format!("pipe: {e}"));
+        }
+    }
+    let waker = sys::Waker::new(wake_w);
+    let tracker = Arc::new(Tracker::new(waker.clone()));
+    let control = Arc::new(Control::new(waker));
+
+    let reaper = tracker.clone();
+    if let Err(e) = std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(move || essential(|| reaper.reap_forever()))
+    {
+        fatal(&format!("cannot start the reaper: {e}"));
+    }
+    let worker = match Worker::new(
+        cfg.clone(),
+        chan.clone(),
+        tracker.clone(),
+        control.clone(),
+        wake_r,
+    ) {
+        Ok(w) => w,
+        Err(e) => fatal(&format!("cannot set up the worker: {e}")),
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("worker".into())
+        .spawn(move || essential(|| worker.run()))
+    {
+        fatal(&format!("cannot start the worker: {e}"));
+    }
+
+    let stdin = std::io::stdin();
+    let mut input = stdin.lock();
+    loop {
+        match frame::read_line(&mut input, sandbox_runner::MAX_FRAME_BYTES) {
+            Ok(Line::Frame(line)) => {
+                if !line.trim_ascii().is_empty() {
+                    handle(&line, &chan, &control);
+                }
+            }
+            Ok(Line::TooLong(prefix)) => chan.error(
+                frame::job_id_prefix(&prefix).unwrap_or(UNSOLICITED),
+                format!(
+                    "frame longer than {} bytes",
+                    sandbox_runner::MAX_FRAME_BYTES
+                ),
+            ),
+            Ok(Line::Eof) => break,
+            Err(e) => {
+                eprintln!("sandbox-runner: reading stdin: {e}");
+                break;
+            }
+        }
+    }
+    // The broker closed the channel: finish the exec in hand (its answer may still be
+    // read; its time limit bounds the wait), then leave nothing behind (this matters on a
+    // host; in a container the kernel kills everything once PID 1 exits anyway).
+    control.wait_idle();
+    tracker.paused(None, |_| {
+        sweep::kill_leftovers(None, cfg.pid1, std::time::Duration::from_secs(5))
+    });
+    std::process::exit(0);
+}
+
+/// Acts on one frame from the broker.
+fn handle(line: &[u8], chan: &Channel, control: &Control) {
+    let (job, msg) = match frame::parse(line) {
+        Parsed::Msg(job, msg) => (job, msg),
+        Parsed::Bad(job, why) => return chan.error(job, why),
+    };
+    match msg {
+        CoordinatorMessage::Hello(hello) => {
+            if hello.start_kernel {
+                control.push(Task::StartKernel);
+            }
+            let resp = HelloResponse {
+                runner_version: env!("CARGO_PKG_VERSION").into(),
+                kernel_running: control.kernel_running.load(Ordering::Relaxed),
+            };
+            chan.send(job, &WorkerMessage::Hello(resp));
+        }
+        CoordinatorMessage::Exec(req) => {
+            if let Err(running) = control.start_exec(job, req) {
+                chan.error(job, format!("busy: job {running} is still running"));
+            }
+        }
+        CoordinatorMessage::Cancel => control.cancel(job),
+    }
+}
+
+/// Exits when the container is stopped from outside; see the crate doc.
+fn install_stop_handlers() {
+    extern "C" fn on_stop(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+        // si_pid is 0 when the sender is outside our pid namespace (docker, the host).
+        // SAFETY: the kernel passes a valid siginfo with SA_SIGINFO; _exit is
+        // async-signal-safe.
+        unsafe {
+            if !info.is_null() && (*info).si_pid() == 0 {
+                libc::_exit(0);
+            }
+        }
+    }
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: a zeroed sigaction with a valid handler and flags is well-formed.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_stop as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+/// Marks every descriptor we were started with, other than stdio, close-on-exec, so that
+/// none leaks into user code (a host test harness may hand us some).
+fn close_inherited_fds_on_exec() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: fcntl on a possibly stale number is harmless (EBADF).
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+}
+
+/// Runs a thread the runner cannot work without: if it panics (a bug), the whole runner
+/// exits, so the broker sees a dead sandbox rather than one that answers nothing.
+fn essential(body: impl FnOnce()) {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    if outcome.is_err() {
+        fatal("an essential thread panicked");
+    }
+    fatal("an essential thread ended");
+}
+
+/// Gives up when the runner cannot work at all.
+fn fatal(msg: &str) -> ! {
+    eprintln!("sandbox-runner: {msg}");
+    std::process::exit(1)
+}
