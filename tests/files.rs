@@ -29,10 +29,16 @@ open('.hidden', 'w').write('x')
     for f in &files {
         let id = f["id"].as_str().expect("id");
         assert_eq!(id.len(), 21);
-        assert_eq!(f["path"], format!("/mnt/data/{}", f["name"].as_str().unwrap_or("")));
+        assert_eq!(
+            f["path"],
+            format!("/mnt/data/{}", f["name"].as_str().unwrap_or(""))
+        );
         let dl = broker.get(&format!("/download/{s}/{id}")).await;
         assert_eq!(dl.status(), 200);
-        let cd = dl.headers()["content-disposition"].to_str().unwrap_or("").to_string();
+        let cd = dl.headers()["content-disposition"]
+            .to_str()
+            .unwrap_or("")
+            .to_string();
         assert!(cd.starts_with("attachment;"), "{cd}");
         let body = dl.bytes().await.expect("bytes");
         let want: Vec<u8> = match f["name"].as_str() {
@@ -44,9 +50,7 @@ open('.hidden', 'w').write('x')
     }
 
     // Unchanged files are not reported again; a changed one gets a new id.
-    let again = broker
-        .run("bash", "echo changed > rel.txt", Some(&s))
-        .await;
+    let again = broker.run("bash", "echo changed > rel.txt", Some(&s)).await;
     let files2 = again["files"].as_array().expect("files");
     assert_eq!(files2.len(), 1, "{again}");
     assert_eq!(files2[0]["name"], "rel.txt");

@@ -41,11 +41,15 @@ async fn hello_world_in_every_language() {
 #[tokio::test]
 async fn compile_errors_show_in_stderr() {
     let broker = TestBroker::start("compile").await;
-    let c = broker.run("c", "int main(void) { return undefined_name; }", None).await;
+    let c = broker
+        .run("c", "int main(void) { return undefined_name; }", None)
+        .await;
     assert!(stderr(&c).contains("undefined_name"), "{c}");
     assert_ne!(c["exit_code"], 0, "{c}");
 
-    let rs = broker.run("rs", "fn main() { let x: i32 = \"no\"; }", None).await;
+    let rs = broker
+        .run("rs", "fn main() { let x: i32 = \"no\"; }", None)
+        .await;
     assert!(stderr(&rs).contains("mismatched types"), "{rs}");
     assert_ne!(rs["exit_code"], 0, "{rs}");
 }
@@ -56,7 +60,11 @@ async fn args_reach_every_kind_of_program() {
     let cases = [
         ("py", "import sys; print(sys.argv[1:])", "['a b', 'c']"),
         ("bash", "echo \"$1|$2\"", "a b|c"),
-        ("js", "console.log(process.argv.slice(2).join('|'))", "a b|c"),
+        (
+            "js",
+            "console.log(process.argv.slice(2).join('|'))",
+            "a b|c",
+        ),
         (
             "c",
             "#include <stdio.h>\nint main(int n, char **v) { printf(\"%s|%s\\n\", v[1], v[2]); }",

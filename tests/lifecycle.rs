@@ -22,8 +22,14 @@ async fn lockdown_flags_read_back_from_docker_inspect() {
         .as_array()
         .is_some_and(|o| o.iter().any(|v| v == "no-new-privileges")));
     assert_eq!(host["ReadonlyRootfs"], true);
-    assert!(host["Tmpfs"]["/tmp"].as_str().unwrap_or("").contains("size="));
-    assert!(host["Tmpfs"]["/dev/shm"].as_str().unwrap_or("").contains("size="));
+    assert!(host["Tmpfs"]["/tmp"]
+        .as_str()
+        .unwrap_or("")
+        .contains("size="));
+    assert!(host["Tmpfs"]["/dev/shm"]
+        .as_str()
+        .unwrap_or("")
+        .contains("size="));
     assert_eq!(host["PidsLimit"], 256);
     assert_eq!(host["Memory"], host["MemorySwap"]);
     assert!(host["Memory"].as_i64().unwrap_or(0) > 0);
@@ -60,7 +66,9 @@ async fn an_idle_container_is_removed_and_the_session_restarts_on_its_files() {
         c.reap_interval_secs = 1;
     })
     .await;
-    let first = broker.run("py", "x = 1\nopen('keep.txt','w').write('kept')", None).await;
+    let first = broker
+        .run("py", "x = 1\nopen('keep.txt','w').write('kept')", None)
+        .await;
     let s = session(&first);
     assert_eq!(broker.containers().len(), 1);
     let mut gone = false;
@@ -73,7 +81,11 @@ async fn an_idle_container_is_removed_and_the_session_restarts_on_its_files() {
     }
     assert!(gone, "the idle container was not removed");
     let next = broker
-        .run("py", "print(open('keep.txt').read(), 'x' in globals())", Some(&s))
+        .run(
+            "py",
+            "print(open('keep.txt').read(), 'x' in globals())",
+            Some(&s),
+        )
         .await;
     assert_eq!(stdout(&next).trim(), "kept False", "{next}");
     assert_eq!(next["runtime_status"], "new");
@@ -93,7 +105,9 @@ async fn a_dead_sandbox_is_replaced_without_touching_other_sessions() {
         .find(|id| inspect(id)["Config"]["Labels"]["codebroker.session"] == sa.as_str())
         .expect("container of a")
         .clone();
-    let _ = std::process::Command::new("docker").args(["kill", &victim]).output();
+    let _ = std::process::Command::new("docker")
+        .args(["kill", &victim])
+        .output();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let again = broker.run("bash", "echo back", Some(&sa)).await;
     assert_eq!(stdout(&again).trim(), "back", "{again}");
@@ -105,13 +119,22 @@ async fn a_dead_sandbox_is_replaced_without_touching_other_sessions() {
 #[tokio::test]
 async fn a_restarted_broker_finds_its_containers() {
     let first = TestBroker::start("restart").await;
-    let resp = first.run("py", "x = 41\nopen('f.txt','w').write('hi')", None).await;
+    let resp = first
+        .run("py", "x = 41\nopen('f.txt','w').write('hi')", None)
+        .await;
     let s = session(&resp);
-    let file_id = resp["files"][0]["id"].as_str().expect("file id").to_string();
+    let file_id = resp["files"][0]["id"]
+        .as_str()
+        .expect("file id")
+        .to_string();
     let instance = first.instance.clone();
     let data = first.data.clone();
     let tmp = first.stop().await;
-    assert_eq!(common::containers_of(&instance).len(), 1, "the container outlives the broker");
+    assert_eq!(
+        common::containers_of(&instance).len(),
+        1,
+        "the container outlives the broker"
+    );
 
     let mut config = Config::for_tests(data, &instance);
     config.pool_size = 0;

@@ -14,7 +14,11 @@ async fn an_endless_loop_is_stopped_and_the_next_exec_works() {
         .exec(json!({ "lang": "py", "code": "while True:\n    pass", "timeout": 2000 }))
         .await;
     assert_eq!(status, 200);
-    assert!(started.elapsed().as_secs() < 15, "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed().as_secs() < 15,
+        "took {:?}",
+        started.elapsed()
+    );
     assert_eq!(resp["limits"], json!(["Time limit exceeded"]), "{resp}");
     assert!(stderr(&resp).contains("Time limit exceeded"), "{resp}");
     let s = session(&resp);
@@ -42,7 +46,11 @@ async fn background_processes_are_gone_after_the_exec() {
     assert_eq!(stdout(&first).trim(), "started", "{first}");
     let s = session(&first);
     let check = broker
-        .run("bash", "ps -eo args | grep '^sleep 100' || echo none", Some(&s))
+        .run(
+            "bash",
+            "ps -eo args | grep '^sleep 100' || echo none",
+            Some(&s),
+        )
         .await;
     assert_eq!(stdout(&check).trim(), "none", "{check}");
 
@@ -55,7 +63,11 @@ async fn background_processes_are_gone_after_the_exec() {
         )
         .await;
     let check = broker
-        .run("bash", "ps -eo args | grep '^sleep 100' || echo none", Some(&s))
+        .run(
+            "bash",
+            "ps -eo args | grep '^sleep 100' || echo none",
+            Some(&s),
+        )
         .await;
     assert_eq!(stdout(&check).trim(), "none", "{check}");
 }
@@ -64,14 +76,24 @@ async fn background_processes_are_gone_after_the_exec() {
 async fn output_is_capped_and_reported() {
     let broker = TestBroker::start("flood").await;
     let resp = broker
-        .run("py", "import sys\nsys.stdout.write('x' * 1_000_000)\nsys.stderr.write('e' * 1_000_000)", None)
+        .run(
+            "py",
+            "import sys\nsys.stdout.write('x' * 1_000_000)\nsys.stderr.write('e' * 1_000_000)",
+            None,
+        )
         .await;
     let out = stdout(&resp);
     assert!(out.len() <= 64 * 1024 + 100, "stdout {} bytes", out.len());
     assert!(out.len() >= 60 * 1024, "stdout {} bytes", out.len());
     let limits = resp["limits"].as_array().expect("limits");
-    assert!(limits.contains(&json!("stdout length exceeded")), "{limits:?}");
-    assert!(limits.contains(&json!("stderr length exceeded")), "{limits:?}");
+    assert!(
+        limits.contains(&json!("stdout length exceeded")),
+        "{limits:?}"
+    );
+    assert!(
+        limits.contains(&json!("stderr length exceeded")),
+        "{limits:?}"
+    );
     assert!(stderr(&resp).contains("stdout length exceeded"));
     let s = session(&resp);
     let next = broker.run("bash", "echo ok", Some(&s)).await;

@@ -82,12 +82,14 @@ async fn a_killed_kernel_is_replaced() {
     let first = broker.run("py", "z = 1", None).await;
     let s = session(&first);
     let killed = broker
-        .run("py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", Some(&s))
+        .run(
+            "py",
+            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+            Some(&s),
+        )
         .await;
     assert_ne!(killed["exit_code"], 0, "{killed}");
-    let next = broker
-        .run("py", "print('z' in globals())", Some(&s))
-        .await;
+    let next = broker.run("py", "print('z' in globals())", Some(&s)).await;
     assert_eq!(stdout(&next).trim(), "False", "{next}");
     assert_eq!(next["runtime_status"], "new", "{next}");
     let after = broker.run("py", "print('still here')", Some(&s)).await;

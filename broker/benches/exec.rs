@@ -109,7 +109,12 @@ impl Bench {
 
 fn remove_containers(instance: &str) {
     let out = Command::new("docker")
-        .args(["ps", "-aq", "--filter", &format!("label=codebroker.instance={instance}")])
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=codebroker.instance={instance}"),
+        ])
         .output()
         .expect("docker ps");
     let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -117,13 +122,22 @@ fn remove_containers(instance: &str) {
         .map(str::to_string)
         .collect();
     if !ids.is_empty() {
-        let _ = Command::new("docker").arg("rm").arg("-f").args(&ids).output();
+        let _ = Command::new("docker")
+            .arg("rm")
+            .arg("-f")
+            .args(&ids)
+            .output();
     }
 }
 
 fn container_of(instance: &str) -> String {
     let out = Command::new("docker")
-        .args(["ps", "-q", "--filter", &format!("label=codebroker.instance={instance}")])
+        .args([
+            "ps",
+            "-q",
+            "--filter",
+            &format!("label=codebroker.instance={instance}"),
+        ])
         .output()
         .expect("docker ps");
     String::from_utf8_lossy(&out.stdout)
@@ -135,9 +149,16 @@ fn container_of(instance: &str) -> String {
 
 fn time_command(args: &[&str]) -> Duration {
     let started = Instant::now();
-    let out = Command::new(args[0]).args(&args[1..]).output().expect("command");
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("command");
     let took = started.elapsed();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     took
 }
 
@@ -237,7 +258,15 @@ async fn main() {
     let mut docker_run = Vec::new();
     for _ in 0..10 * scale {
         docker_run.push(time_command(&[
-            "docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", IMAGE, "-c",
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--entrypoint",
+            "python3",
+            IMAGE,
+            "-c",
             "print(1)",
         ]));
     }

@@ -58,6 +58,32 @@ pub struct FileRecord {
     /// Whether this is the newest version of `name` (older ids are kept for clients
     /// that still hold them).
     pub current: bool,
+    /// How the file came to be: its kind of origin decides whether it is reported.
+    #[serde(default)]
+    pub origin: Origin,
+    /// Uploaded read-only (or as kind `skill`/`agent`): never reported as generated,
+    /// whatever the code does to it.
+    #[serde(default)]
+    pub read_only: bool,
+    /// The uploader's `kind` (`user`, `agent`, `skill`), for listings.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The id of the version this one replaced.
+    #[serde(default)]
+    pub modified_from: Option<String>,
+}
+
+/// Where a file version came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// Written by code in the sandbox.
+    #[default]
+    Generated,
+    /// Uploaded by a client.
+    Uploaded,
+    /// Copied in from another session as an exec's input.
+    Input,
 }
 
 /// What a cheap look at a file tells: enough to know it was not touched.
@@ -92,6 +118,19 @@ impl FileIndex {
             .iter()
             .rev()
             .find(|r| r.current && r.name == name)
+    }
+
+    /// Adds `record` as the newest version of its name.
+    pub fn push_current(&mut self, record: FileRecord) {
+        for r in self.files.iter_mut().filter(|r| r.name == record.name) {
+            r.current = false;
+        }
+        self.files.push(record);
+    }
+
+    /// Whether any record still needs the blob `sha256`.
+    pub fn uses_blob(&self, sha256: &str) -> bool {
+        self.files.iter().any(|r| r.sha256 == sha256)
     }
 }
 
@@ -204,69 +243,126 @@ impl Workspace {
         Ok((file, size))
     }
 
-    /// Copies `from_name` of another workspace to `to_name` here (directories created as
-    /// needed, owned by the sandbox user), and returns the record of the copy, which
-    /// counts as an input, not as a generated file.
-    pub fn copy_in(
+    /// The directory of immutable copies of every recorded version, named by SHA-256.
+    /// Broker-owned and outside the mount: downloads read from here, so what the sandbox
+    /// does later to its files never changes what an id serves.
+    pub fn blobs_dir(&self) -> PathBuf {
+        self.root.join("blobs")
+    }
+
+    /// The stored bytes of a version.
+    pub fn blob_path(&self, sha256: &str) -> PathBuf {
+        self.blobs_dir().join(sha256)
+    }
+
+    /// A new temporary file in the blob store, for an upload to stream into.
+    pub fn blob_temp(&self) -> io::Result<(PathBuf, std::fs::File)> {
+        std::fs::create_dir_all(self.blobs_dir())?;
+        let path = self.blobs_dir().join(format!(".tmp-{}", new_id()));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        Ok((path, file))
+    }
+
+    /// Moves a finished temporary file into the blob store under its hash.
+    pub fn commit_blob(&self, temp: &Path, sha256: &str) -> io::Result<()> {
+        let target = self.blob_path(sha256);
+        if target.exists() {
+            std::fs::remove_file(temp)
+        } else {
+            std::fs::rename(temp, target)
+        }
+    }
+
+    /// Copies the file `name` of the sandbox into the blob store, hashing it on the way.
+    /// `None` when it is larger than `max_bytes` (the copy is dropped).
+    fn store_blob_from(&self, dir: &Dir, name: &str, max_bytes: u64) -> io::Result<Option<String>> {
+        let mut src = open_regular(dir, Path::new(name))?;
+        let (temp, mut out) = self.blob_temp()?;
+        let copied = copy_hashing(&mut src, &mut out, max_bytes);
+        drop(out);
+        match copied {
+            Ok(Some(sha)) => {
+                self.commit_blob(&temp, &sha)?;
+                Ok(Some(sha))
+            }
+            other => {
+                let _ = std::fs::remove_file(&temp);
+                other
+            }
+        }
+    }
+
+    /// Places a stored blob at `name` in the sandbox's files (directories created as
+    /// needed). Read-only files are owned by root when the broker is root, so the code can
+    /// read but not change them; others belong to the sandbox user. Returns the stamp of
+    /// the placed file, so the next harvest sees it unchanged.
+    pub fn place_blob(
         &self,
-        from: &Workspace,
-        from_name: &str,
-        to_name: &str,
+        blob: &Path,
+        name: &Path,
         sandbox_uid: u32,
-    ) -> io::Result<FileRecord> {
-        let target = safe_relative_path(to_name)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "invalid file name"))?;
-        let src_dir = from.open_files()?;
-        let mut src = open_regular(&src_dir, Path::new(from_name))?;
-        let dst_dir = self.open_files()?;
-        if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
-            dst_dir.create_dir_all(parent)?;
-            chown_tree(&dst_dir, parent, sandbox_uid)?;
+        read_only: bool,
+    ) -> io::Result<Stamp> {
+        let dir = self.open_files()?;
+        if let Some(parent) = name.parent().filter(|p| !p.as_os_str().is_empty()) {
+            dir.create_dir_all(parent)?;
+            chown_tree(&dir, parent, sandbox_uid)?;
+        }
+        // Whatever the sandbox left at that name (a symlink, a FIFO) is replaced, never
+        // followed.
+        match dir.symlink_metadata(name) {
+            Ok(meta) if meta.is_dir() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "a directory has that name",
+                ))
+            }
+            Ok(_) => dir.remove_file(name)?,
+            Err(_) => {}
         }
         let mut options = OpenOptions::new();
         options
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .follow(FollowSymlinks::No)
+            .mode(if read_only { 0o644 } else { 0o600 })
             .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
-        let mut dst = dst_dir.open_with(&target, &options)?;
-        if !dst.metadata()?.is_file() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a regular file",
-            ));
-        }
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = src.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            io::Write::write_all(&mut dst, &buf[..n])?;
-        }
-        let dst = dst.into_std();
+        let dst = dir.open_with(name, &options)?;
+        let mut dst = dst.into_std();
+        let mut src = std::fs::File::open(blob)?;
+        io::copy(&mut src, &mut dst)?;
         if unsafe { libc::geteuid() } == 0 {
-            std::os::unix::fs::fchown(&dst, Some(sandbox_uid), Some(sandbox_uid))?;
+            let owner = if read_only { 0 } else { sandbox_uid };
+            std::os::unix::fs::fchown(&dst, Some(owner), Some(owner))?;
         }
         let meta = dst.metadata()?;
         use std::os::unix::fs::MetadataExt as _;
-        Ok(FileRecord {
-            id: new_id(),
-            name: target.to_string_lossy().into_owned(),
+        Ok(Stamp {
+            ino: meta.ino(),
             size: meta.len(),
-            sha256: hex::encode(hasher.finalize()),
-            created_ms: now_ms(),
-            stamp: Stamp {
-                ino: meta.ino(),
-                size: meta.len(),
-                ctime: meta.ctime(),
-                ctime_nsec: meta.ctime_nsec(),
-            },
-            current: true,
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
         })
+    }
+
+    /// Removes the sandbox's file `name` if it is still the version `record` describes
+    /// (a changed file is the code's, and stays).
+    pub fn remove_if_unchanged(&self, record: &FileRecord) -> io::Result<()> {
+        let dir = self.open_files()?;
+        match dir.symlink_metadata(&record.name) {
+            Ok(meta)
+                if meta.is_file()
+                    && meta.ino() == record.stamp.ino
+                    && meta.ctime() == record.stamp.ctime
+                    && meta.ctime_nsec() == record.stamp.ctime_nsec =>
+            {
+                dir.remove_file(&record.name)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Finds files created or changed since `index` was last updated, gives each a new id,
@@ -300,8 +396,19 @@ impl Workspace {
                 ));
                 continue;
             }
-            let sha256 = match hash_file(&dir, &name) {
-                Ok(h) => h,
+            if previous.as_ref().is_some_and(|p| p.read_only) {
+                // A read-only input is never reported, whatever the code did to it.
+                continue;
+            }
+            let sha256 = match self.store_blob_from(&dir, &name, limits.max_file_bytes) {
+                Ok(Some(h)) => h,
+                Ok(None) => {
+                    report.notes.push(format!(
+                        "{name} was left out of the generated files: over the limit of {} bytes",
+                        limits.max_file_bytes
+                    ));
+                    continue;
+                }
                 // Gone or swapped for something that is not a regular file: skip it.
                 Err(_) => continue,
             };
@@ -321,9 +428,6 @@ impl Workspace {
                 ));
                 continue;
             }
-            for rec in index.files.iter_mut().filter(|r| r.name == name) {
-                rec.current = false;
-            }
             let record = FileRecord {
                 id: new_id(),
                 name,
@@ -332,8 +436,12 @@ impl Workspace {
                 created_ms: now,
                 stamp,
                 current: true,
+                origin: Origin::Generated,
+                read_only: false,
+                kind: None,
+                modified_from: previous.map(|p| p.id),
             };
-            index.files.push(record.clone());
+            index.push_current(record.clone());
             report.files.push(Harvested { record });
         }
         Ok(report)
@@ -430,32 +538,57 @@ pub fn safe_relative_path(name: &str) -> Option<PathBuf> {
     (!path.as_os_str().is_empty()).then_some(path)
 }
 
-/// Hands each directory of `rel` (beneath `dir`) to the sandbox user.
+/// Hands each directory of `rel` (beneath `dir`) to the sandbox user. Each level is
+/// opened without following symlinks and changed through its parent's descriptor, so a
+/// swapped-in symlink cannot redirect the change.
 fn chown_tree(dir: &Dir, rel: &Path, uid: u32) -> io::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         return Ok(());
     }
-    let mut current = PathBuf::new();
+    let mut parent = dir.try_clone()?;
     for part in rel.components() {
-        current.push(part);
-        let sub = dir.open_dir_nofollow(&current)?.into_std_file();
-        std::os::unix::fs::fchown(&sub, Some(uid), Some(uid))?;
+        let name = std::ffi::CString::new(part.as_os_str().as_encoded_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))?;
+        use std::os::fd::AsRawFd;
+        let rc = unsafe {
+            libc::fchownat(
+                parent.as_raw_fd(),
+                name.as_ptr(),
+                uid,
+                uid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        parent = parent.open_dir_nofollow(part)?;
     }
     Ok(())
 }
 
-fn hash_file(dir: &Dir, name: &str) -> io::Result<String> {
-    let mut file = open_regular(dir, Path::new(name))?;
+/// Copies `src` to `dst` while hashing; `None` when more than `max_bytes` came.
+pub fn copy_hashing(
+    src: &mut impl Read,
+    dst: &mut impl io::Write,
+    max_bytes: u64,
+) -> io::Result<Option<String>> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
     loop {
-        let n = file.read(&mut buf)?;
+        let n = src.read(&mut buf)?;
         if n == 0 {
             break;
         }
+        total += n as u64;
+        if total > max_bytes {
+            return Ok(None);
+        }
         hasher.update(&buf[..n]);
+        dst.write_all(&buf[..n])?;
     }
-    Ok(hex::encode(hasher.finalize()))
+    Ok(Some(hex::encode(hasher.finalize())))
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {

@@ -42,7 +42,10 @@ pub fn require_image() {
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
-    assert!(ok, "the sandbox image {IMAGE} is missing: run `make image` first");
+    assert!(
+        ok,
+        "the sandbox image {IMAGE} is missing: run `make image` first"
+    );
 }
 
 impl TestBroker {
@@ -68,6 +71,14 @@ impl TestBroker {
 
     /// A broker on exactly this configuration (for restarts on the same data).
     pub async fn serve(config: Config) -> TestBroker {
+        // Broker logs show with a failing test's output (RUST_LOG to change the level).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "codebroker=info".into()),
+            )
+            .with_test_writer()
+            .try_init();
         let instance = config.instance.clone();
         let data = config.data_dir.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -138,11 +149,7 @@ impl TestBroker {
     }
 
     pub async fn get(&self, path: &str) -> reqwest::Response {
-        self.client
-            .get(self.url(path))
-            .send()
-            .await
-            .expect("GET")
+        self.client.get(self.url(path)).send().await.expect("GET")
     }
 
     /// Ids of this instance's containers.
@@ -172,7 +179,11 @@ pub fn containers_of(instance: &str) -> Vec<String> {
 pub fn remove_containers_of(instance: &str) {
     let ids = containers_of(instance);
     if !ids.is_empty() {
-        let _ = Command::new("docker").arg("rm").arg("-f").args(&ids).output();
+        let _ = Command::new("docker")
+            .arg("rm")
+            .arg("-f")
+            .args(&ids)
+            .output();
     }
 }
 

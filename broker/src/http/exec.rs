@@ -132,14 +132,18 @@ pub fn output_json(output: &ExecOutput) -> Value {
         .files
         .iter()
         .map(|f| {
-            json!({
+            let mut file = json!({
                 "id": f.id,
                 "name": f.name,
                 "path": format!("/mnt/data/{}", f.name),
                 "storage_session_id": output.session_id,
                 "session_id": output.session_id,
                 "size": f.size,
-            })
+            });
+            if let Some(previous) = &f.modified_from {
+                file["modified_from"] = json!(previous);
+            }
+            file
         })
         .collect();
     json!({
@@ -164,6 +168,7 @@ async fn exec(
     ApiJson(body): ApiJson<ExecBody>,
 ) -> AppResult<Response> {
     let (choice, input) = body.into_parts(&caller)?;
+    state.broker.limits.check_exec(choice.user.as_deref())?;
     let broker = state.broker.clone();
     let session = broker.choose_session(&choice, &input.files).await?;
     // The exec runs in a task of its own: a client that goes away does not leave the

@@ -1,21 +1,51 @@
-//! Files of a session: downloads.
+//! Files of a session: uploads, listings, object metadata, deletion and downloads
+//! (API.md, "Files"), for both contract generations.
 
 use super::AppState;
 use crate::auth::Caller;
+use crate::broker::Broker;
 use crate::error::{AppError, AppResult};
-use crate::ids::is_valid_id;
+use crate::ids::{is_valid_id, new_id};
 use crate::session::Session;
-use crate::workspace::content_type;
+use crate::storage::{StagedFile, UploadOptions};
+use crate::workspace::{content_type, FileRecord};
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+
+/// Most files one upload request may carry.
+const MAX_FILES_PER_UPLOAD: usize = 100;
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/download/{session_id}/{file_id}", get(download))
+    Router::new()
+        .route(
+            "/upload",
+            // Sizes are enforced per file while streaming, not by buffering the body.
+            post(upload).layer(DefaultBodyLimit::disable()),
+        )
+        .route(
+            "/upload/batch",
+            post(upload_batch).layer(DefaultBodyLimit::disable()),
+        )
+        .route("/files/{session_id}", get(list_files))
+        .route(
+            "/files/{session_id}/{file_id}",
+            axum::routing::delete(delete_file),
+        )
+        .route(
+            "/sessions/{session_id}/objects/{file_id}",
+            get(object_info).delete(delete_file),
+        )
+        .route("/download/{session_id}/{file_id}", get(download))
 }
 
 /// Checks the ids' shape (400), finds the session (404) and checks the caller may see it
@@ -38,42 +68,407 @@ pub fn visible_session(
         .ok_or_else(|| AppError::NotFound(format!("session {session_id} not found")))
 }
 
+/// The live (not expired) record of `file_id` in a session the caller may see.
+fn visible_record(
+    state: &AppState,
+    caller: &Caller,
+    session_id: &str,
+    file_id: &str,
+) -> AppResult<(Arc<Session>, FileRecord)> {
+    if !is_valid_id(file_id) {
+        return Err(AppError::BadRequest(format!(
+            "invalid file id: {file_id:?}"
+        )));
+    }
+    let session = visible_session(state, caller, session_id)?;
+    let record = session
+        .index()
+        .get(file_id)
+        .cloned()
+        .filter(|r| !state.broker.is_expired(r))
+        .ok_or_else(|| AppError::NotFound(format!("file {file_id} not found")))?;
+    Ok((session, record))
+}
+
+// ---------------------------------------------------------------------------------------
+// Uploads
+// ---------------------------------------------------------------------------------------
+
+/// What a multipart upload carried.
+struct UploadForm {
+    /// Files staged on disk, in order.
+    staged: Vec<StagedFile>,
+    /// Files refused, with the reason (batch uploads report them per file).
+    refused: Vec<(String, AppError)>,
+    /// The text fields.
+    fields: HashMap<String, String>,
+}
+
+/// Removes staged files that never reached a session.
+struct StagingGuard(Vec<PathBuf>);
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Reads the multipart body, streaming each file into the staging area. With `strict`,
+/// the first bad file fails the request; without, it is listed in `refused`.
+async fn read_form(
+    broker: &Broker,
+    mut multipart: Multipart,
+    strict: bool,
+) -> AppResult<(UploadForm, StagingGuard)> {
+    let mut form = UploadForm {
+        staged: Vec::new(),
+        refused: Vec::new(),
+        fields: HashMap::new(),
+    };
+    let mut guard = StagingGuard(Vec::new());
+    let staging = broker.staging_dir();
+    tokio::fs::create_dir_all(&staging)
+        .await
+        .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
+    let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+    while let Some(mut field) = multipart
+        .next_field()
+        .await
+        .map_err(|e| AppError::BadRequest(format!("malformed multipart body: {e}")))?
+    {
+        let field_name = field.name().unwrap_or("").to_string();
+        let Some(file_name) = field.file_name().map(str::to_string) else {
+            let text = field
+                .text()
+                .await
+                .map_err(|e| AppError::BadRequest(format!("malformed form field: {e}")))?;
+            form.fields.insert(field_name, text);
+            continue;
+        };
+        if form.staged.len() + form.refused.len() >= MAX_FILES_PER_UPLOAD {
+            return Err(AppError::BadRequest(format!(
+                "at most {MAX_FILES_PER_UPLOAD} files per upload"
+            )));
+        }
+        let name = match Broker::check_upload_name(&file_name) {
+            Ok(n) => n,
+            Err(err) if strict => return Err(err),
+            Err(err) => {
+                form.refused.push((file_name, err));
+                continue;
+            }
+        };
+        let temp = staging.join(new_id());
+        guard.0.push(temp.clone());
+        let mut out = tokio::fs::File::create(&temp)
+            .await
+            .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        let mut too_large = false;
+        while let Some(chunk) = field
+            .chunk()
+            .await
+            .map_err(|e| AppError::BadRequest(format!("upload interrupted: {e}")))?
+        {
+            size += chunk.len() as u64;
+            if size > max_bytes {
+                too_large = true;
+                break;
+            }
+            hasher.update(&chunk);
+            out.write_all(&chunk)
+                .await
+                .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        }
+        out.flush()
+            .await
+            .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        if too_large {
+            let err = AppError::PayloadTooLarge(format!(
+                "{file_name} is larger than the upload limit of {} MiB",
+                broker.config.max_upload_mb
+            ));
+            if strict {
+                return Err(err);
+            }
+            // Skip the rest of this part so the next one can be read.
+            while let Ok(Some(_)) = field.chunk().await {}
+            form.refused.push((file_name, err));
+            continue;
+        }
+        form.staged.push(StagedFile {
+            name,
+            temp,
+            sha256: hex::encode(hasher.finalize()),
+            size,
+        });
+    }
+    Ok((form, guard))
+}
+
+/// The session an upload goes to: `session_id` when visible, else the session of
+/// `entity_id`, else a new one (with no sandbox until code runs in it).
+async fn upload_session(
+    state: &AppState,
+    user: Option<&str>,
+    fields: &HashMap<String, String>,
+) -> AppResult<Arc<Session>> {
+    let broker = &state.broker;
+    let field = |k: &str| fields.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    if let Some(id) = field("session_id").or(field("storage_session_id")) {
+        if !is_valid_id(id) {
+            return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+        }
+        if let Some(s) = broker.registry.get(id).filter(|s| s.visible_to(user)) {
+            return Ok(s);
+        }
+    }
+    if let Some(entity) = field("entity_id") {
+        if let Some(s) = broker
+            .registry
+            .by_entity(user, entity)
+            .filter(|s| s.visible_to(user))
+        {
+            return Ok(s);
+        }
+    }
+    broker.new_session(user, field("entity_id"), false).await
+}
+
+fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
+    let read_only = fields
+        .get("read_only")
+        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
+        .unwrap_or(false);
+    UploadOptions {
+        read_only,
+        kind: fields
+            .get("kind")
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty()),
+    }
+}
+
+async fn upload(
+    State(state): State<AppState>,
+    caller: Caller,
+    multipart: Multipart,
+) -> AppResult<Json<Value>> {
+    let (mut form, guard) = read_form(&state.broker, multipart, true).await?;
+    if form.staged.is_empty() {
+        return Err(AppError::BadRequest(
+            "no file in the upload: send multipart field `file`".into(),
+        ));
+    }
+    let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
+    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let staged = std::mem::take(&mut form.staged);
+    let records = state
+        .broker
+        .store_uploads(&session, staged, upload_options(&form.fields))
+        .await?;
+    drop(guard);
+    let files: Vec<Value> = records
+        .iter()
+        .map(|r| json!({ "fileId": r.id, "filename": r.name, "id": r.id, "size": r.size }))
+        .collect();
+    Ok(Json(json!({
+        "message": "success",
+        "session_id": session.id(),
+        "storage_session_id": session.id(),
+        "files": files,
+    })))
+}
+
+async fn upload_batch(
+    State(state): State<AppState>,
+    caller: Caller,
+    multipart: Multipart,
+) -> AppResult<Json<Value>> {
+    let (mut form, guard) = read_form(&state.broker, multipart, false).await?;
+    if form.staged.is_empty() && form.refused.is_empty() {
+        return Err(AppError::BadRequest(
+            "no file in the upload: send multipart fields `file`".into(),
+        ));
+    }
+    let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
+    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let staged = std::mem::take(&mut form.staged);
+    let records = if staged.is_empty() {
+        Vec::new()
+    } else {
+        state
+            .broker
+            .store_uploads(&session, staged, upload_options(&form.fields))
+            .await?
+    };
+    drop(guard);
+    let mut files: Vec<Value> = records
+        .iter()
+        .map(|r| json!({ "status": "success", "fileId": r.id, "filename": r.name, "size": r.size }))
+        .collect();
+    files.extend(form.refused.iter().map(
+        |(name, err)| json!({ "status": "error", "filename": name, "error": err.to_string() }),
+    ));
+    let (succeeded, failed) = (records.len(), form.refused.len());
+    let message = match (succeeded, failed) {
+        (_, 0) => "success",
+        (0, _) => "error",
+        _ => "partial_success",
+    };
+    Ok(Json(json!({
+        "message": message,
+        "session_id": session.id(),
+        "storage_session_id": session.id(),
+        "files": files,
+        "succeeded": succeeded,
+        "failed": failed,
+    })))
+}
+
+// ---------------------------------------------------------------------------------------
+// Listing, metadata, deletion
+// ---------------------------------------------------------------------------------------
+
+/// Milliseconds since the epoch as ISO-8601 (RFC 3339, UTC).
+pub fn iso8601(ms: u64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_default()
+}
+
+fn base_name(name: &str) -> &str {
+    name.rsplit('/').next().unwrap_or(name)
+}
+
+async fn list_files(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(session_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> AppResult<Json<Value>> {
+    if !is_valid_id(&session_id) {
+        return Err(AppError::BadRequest(format!(
+            "invalid session id: {session_id:?}"
+        )));
+    }
+    // An unknown session (or another user's) is an empty list: clients probe with old ids.
+    let Ok(session) = visible_session(&state, &caller, &session_id) else {
+        return Ok(Json(json!([])));
+    };
+    let records: Vec<FileRecord> = session
+        .index()
+        .files
+        .iter()
+        .filter(|r| r.current && !state.broker.is_expired(r))
+        .cloned()
+        .collect();
+    let s = session.id();
+    let detail = query.get("detail").map(String::as_str).unwrap_or("summary");
+    let list: Vec<Value> = records
+        .iter()
+        .map(|r| {
+            let modified = iso8601(r.created_ms);
+            match detail {
+                "full" => json!({
+                    "name": format!("{s}/{}", r.id),
+                    "id": r.id,
+                    "session_id": s,
+                    "storage_session_id": s,
+                    "size": r.size,
+                    "contentType": content_type(base_name(&r.name)),
+                    "lastModified": modified,
+                    "metadata": { "original-filename": r.name },
+                }),
+                "simple" => json!({
+                    "id": r.id,
+                    "name": r.name,
+                    "size": r.size,
+                    "lastModified": modified,
+                }),
+                "normalized" => json!({
+                    "id": r.id,
+                    "name": r.name,
+                    "path": format!("/mnt/data/{}", r.name),
+                    "session_id": s,
+                    "storage_session_id": s,
+                    "size": r.size,
+                    "contentType": content_type(base_name(&r.name)),
+                    "lastModified": modified,
+                    "kind": r.kind,
+                    "read_only": r.read_only,
+                }),
+                _ => json!({ "name": format!("{s}/{}", r.id), "lastModified": modified }),
+            }
+        })
+        .collect();
+    Ok(Json(Value::Array(list)))
+}
+
+async fn object_info(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((session_id, file_id)): Path<(String, String)>,
+) -> AppResult<Json<Value>> {
+    let (_, record) = visible_record(&state, &caller, &session_id, &file_id)?;
+    Ok(Json(json!({
+        "name": record.name,
+        "size": record.size,
+        "contentType": content_type(base_name(&record.name)),
+        "lastModified": iso8601(record.created_ms),
+    })))
+}
+
+async fn delete_file(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((session_id, file_id)): Path<(String, String)>,
+) -> AppResult<Json<Value>> {
+    let (session, _) = visible_record(&state, &caller, &session_id, &file_id)?;
+    state.broker.delete_file(&session, &file_id).await?;
+    Ok(Json(json!({
+        "message": "File deleted successfully",
+        "session_id": session_id,
+        "fileId": file_id,
+    })))
+}
+
+// ---------------------------------------------------------------------------------------
+// Download
+// ---------------------------------------------------------------------------------------
+
 async fn download(
     State(state): State<AppState>,
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Response> {
-    if !is_valid_id(&file_id) {
-        return Err(AppError::BadRequest(format!(
-            "invalid file id: {file_id:?}"
-        )));
-    }
-    let session = visible_session(&state, &caller, &session_id)?;
-    let not_found = || AppError::NotFound(format!("file {file_id} not found"));
-    let record = session
-        .index()
-        .get(&file_id)
-        .cloned()
-        .ok_or_else(not_found)?;
-    if !record.current {
-        return Err(AppError::NotFound(format!(
-            "file {file_id} was replaced by a newer version"
-        )));
-    }
-    let workspace = session.workspace.clone();
-    let name = record.name.clone();
-    let (file, size) = tokio::task::spawn_blocking(move || workspace.open_file(&name))
+    let (session, record) = visible_record(&state, &caller, &session_id, &file_id)?;
+    // Served from the broker-owned copy of this version: what the sandbox did to the
+    // file since cannot change it, and no sandbox path is opened.
+    let blob = session.workspace.blob_path(&record.sha256);
+    let file = tokio::fs::File::open(&blob)
         .await
-        .map_err(|e| AppError::internal(format!("open task failed: {e}")))?
-        .map_err(|_| not_found())?;
+        .map_err(|_| AppError::NotFound(format!("file {file_id} not found")))?;
+    let size = file
+        .metadata()
+        .await
+        .map(|m| m.len())
+        .unwrap_or(record.size);
     // Streamed, so a large file is never held in memory.
-    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
-    let base_name = record.name.rsplit('/').next().unwrap_or(&record.name);
+    let stream = tokio_util::io::ReaderStream::new(file);
+    let name = base_name(&record.name);
     Ok((
         [
-            (header::CONTENT_TYPE, content_type(base_name).to_string()),
+            (header::CONTENT_TYPE, content_type(name).to_string()),
             (header::CONTENT_LENGTH, size.to_string()),
-            (header::CONTENT_DISPOSITION, content_disposition(base_name)),
+            (header::CONTENT_DISPOSITION, content_disposition(name)),
         ],
         Body::from_stream(stream),
     )
@@ -117,5 +512,11 @@ mod tests {
             content_disposition("a \"b\".txt"),
             "attachment; filename=\"a _b_.txt\"; filename*=UTF-8''a%20%22b%22.txt"
         );
+    }
+
+    #[test]
+    fn timestamps_are_iso8601() {
+        assert_eq!(iso8601(0), "1970-01-01T00:00:00Z");
+        assert_eq!(iso8601(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
     }
 }

@@ -46,13 +46,21 @@ pub struct Session {
 
 impl Session {
     pub(crate) fn new(meta: SessionMeta, workspace: Workspace, index: FileIndex) -> Session {
+        // After a restart, the newest file tells when the session was last used.
+        let last_used = index
+            .files
+            .iter()
+            .map(|r| r.created_ms)
+            .max()
+            .unwrap_or(0)
+            .max(meta.created_ms);
         Session {
             meta,
             workspace,
             queue: Arc::new(Semaphore::new(1)),
             sandbox: Mutex::new(None),
             index: Mutex::new(index),
-            last_used_ms: AtomicU64::new(now_ms()),
+            last_used_ms: AtomicU64::new(last_used),
         }
     }
 

@@ -85,6 +85,19 @@ impl Registry {
         Ok(session)
     }
 
+    /// Forgets a session (its workspace is the caller's to remove).
+    pub fn remove(&self, id: &str) {
+        if let Some((_, session)) = self.sessions.remove(id) {
+            if let Some(entity) = &session.meta.entity_id {
+                let key = (
+                    session.meta.user.clone().unwrap_or_default(),
+                    entity.clone(),
+                );
+                self.entities.remove_if(&key, |_, v| v == id);
+            }
+        }
+    }
+
     /// Reads every session on disk, so `entity_id` affinity survives a restart.
     pub fn load_all(&self) -> io::Result<usize> {
         let dir = self.data_dir.join("sessions");

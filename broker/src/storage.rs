@@ -1,0 +1,285 @@
+//! The broker's file operations on sessions: uploads, input refs, deletion and expiry.
+//! Blocking disk work runs on the blocking pool; each session's index changes only while
+//! its turn is held, so an exec's harvest and an upload never overwrite each other.
+
+use crate::broker::{Broker, InputFile};
+use crate::error::{AppError, AppResult};
+use crate::ids::new_id;
+use crate::session::Session;
+use crate::workspace::{now_ms, safe_relative_path, FileRecord, Origin, Workspace};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// A file received from a client, hashed and parked in the staging area until its
+/// session is known (multipart fields may come after the files).
+#[derive(Debug)]
+pub struct StagedFile {
+    /// Where it goes under `/mnt/data`, checked to stay beneath it.
+    pub name: PathBuf,
+    /// The staged bytes.
+    pub temp: PathBuf,
+    /// SHA-256 of the bytes, hex.
+    pub sha256: String,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// How uploaded files are to be kept.
+#[derive(Debug, Clone, Default)]
+pub struct UploadOptions {
+    /// Never report them as generated, and keep the code from changing them.
+    pub read_only: bool,
+    /// The new contract's `kind` (`user`, `agent`, `skill`).
+    pub kind: Option<String>,
+}
+
+impl Broker {
+    /// The staging directory for uploads in flight; on the data volume, so a staged file
+    /// moves into its session with a rename.
+    pub fn staging_dir(&self) -> PathBuf {
+        self.config.data_dir.join("staging")
+    }
+
+    /// A client-chosen file name as a path beneath `/mnt/data`, or a clear 400.
+    pub fn check_upload_name(name: &str) -> AppResult<PathBuf> {
+        safe_relative_path(name).ok_or_else(|| {
+            AppError::BadRequest(format!(
+                "invalid file name {name:?}: it must be a relative path without '..' \
+                 (for example data.csv or skills/pptx/SKILL.md)"
+            ))
+        })
+    }
+
+    /// Moves staged files into `session`: into its blob store, and placed at their names
+    /// in `/mnt/data`. Returns one record per file, in order.
+    pub async fn store_uploads(
+        &self,
+        session: &Arc<Session>,
+        files: Vec<StagedFile>,
+        options: UploadOptions,
+    ) -> AppResult<Vec<FileRecord>> {
+        let _turn = session.acquire().await;
+        let workspace = session.workspace.clone();
+        let uid = self.config.sandbox_uid;
+        let read_only =
+            options.read_only || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
+        let kind = options.kind.clone();
+        let records = tokio::task::spawn_blocking(move || {
+            let mut records = Vec::new();
+            for file in files {
+                std::fs::create_dir_all(workspace.blobs_dir())?;
+                workspace.commit_blob(&file.temp, &file.sha256)?;
+                let stamp = workspace.place_blob(
+                    &workspace.blob_path(&file.sha256),
+                    &file.name,
+                    uid,
+                    read_only,
+                )?;
+                records.push(FileRecord {
+                    id: new_id(),
+                    name: file.name.to_string_lossy().into_owned(),
+                    size: file.size,
+                    sha256: file.sha256,
+                    created_ms: now_ms(),
+                    stamp,
+                    current: true,
+                    origin: Origin::Uploaded,
+                    read_only,
+                    kind: kind.clone(),
+                    modified_from: None,
+                });
+            }
+            Ok::<_, std::io::Error>(records)
+        })
+        .await
+        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))?
+        .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
+        let index = {
+            let mut index = session.index();
+            for record in &records {
+                index.push_current(record.clone());
+            }
+            index.clone()
+        };
+        save_index(&session.workspace, &index).await?;
+        session.touch();
+        Ok(records)
+    }
+
+    /// Places an exec's input refs in its session (with its turn held): refs to this
+    /// session's files must exist; files of other sessions of the same user are copied
+    /// in. Missing inputs are named in `notes`; another user's file is a 403.
+    pub(crate) async fn place_inputs(
+        &self,
+        session: &Arc<Session>,
+        files: &[InputFile],
+        notes: &mut Vec<String>,
+    ) -> AppResult<()> {
+        let mut placed = Vec::new();
+        for file in files {
+            let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
+            let source = if file.session_id.is_empty() || file.session_id == session.id() {
+                session.clone()
+            } else {
+                match self.registry.get(&file.session_id) {
+                    Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
+                    Some(_) => {
+                        return Err(AppError::Forbidden(
+                            "an input file belongs to another user".into(),
+                        ))
+                    }
+                    None => {
+                        notes.push(missing());
+                        continue;
+                    }
+                }
+            };
+            let record = source.index().get(&file.id).cloned();
+            let Some(record) = record.filter(|r| !self.is_expired(r)) else {
+                notes.push(missing());
+                continue;
+            };
+            let target = if file.name.is_empty() {
+                record.name.clone()
+            } else {
+                file.name.clone()
+            };
+            let Some(target_path) = safe_relative_path(&target) else {
+                notes.push(format!("Input file {target:?} has an invalid name"));
+                continue;
+            };
+            let target_name = target_path.to_string_lossy().into_owned();
+            if Arc::ptr_eq(&source, session) {
+                // Still in place, as this version? Then nothing to do; else restore it.
+                let current = session.index().current(&target_name).cloned();
+                if current.is_some_and(|c| c.sha256 == record.sha256) {
+                    continue;
+                }
+            }
+            let from = source.workspace.clone();
+            let to = session.workspace.clone();
+            let uid = self.config.sandbox_uid;
+            let rec = record.clone();
+            let target_for_copy = target_path.clone();
+            let result = tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(to.blobs_dir())?;
+                let blob = to.blob_path(&rec.sha256);
+                if !blob.exists() {
+                    let src = from.blob_path(&rec.sha256);
+                    // Blobs are immutable and broker-owned: a hard link is a safe copy.
+                    if std::fs::hard_link(&src, &blob).is_err() {
+                        std::fs::copy(&src, &blob)?;
+                    }
+                }
+                to.place_blob(&blob, &target_for_copy, uid, rec.read_only)
+            })
+            .await
+            .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
+            match result {
+                Ok(stamp) => placed.push(FileRecord {
+                    id: if Arc::ptr_eq(&source, session) {
+                        record.id.clone()
+                    } else {
+                        new_id()
+                    },
+                    name: target_name,
+                    stamp,
+                    current: true,
+                    origin: Origin::Input,
+                    created_ms: now_ms(),
+                    modified_from: None,
+                    ..record
+                }),
+                Err(err) => notes.push(format!("Input file {target:?} could not be placed: {err}")),
+            }
+        }
+        if !placed.is_empty() {
+            let index = {
+                let mut index = session.index();
+                for record in placed {
+                    // A restored version of this session keeps its id: drop the old entry.
+                    index.files.retain(|r| r.id != record.id);
+                    index.push_current(record);
+                }
+                index.clone()
+            };
+            save_index(&session.workspace, &index).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes one file id: its record, its bytes when no other id needs them, and the
+    /// sandbox's copy when it is still that version.
+    pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> AppResult<()> {
+        let _turn = session.acquire().await;
+        let (record, index) = {
+            let mut index = session.index();
+            let Some(pos) = index.files.iter().position(|r| r.id == file_id) else {
+                return Err(AppError::NotFound(format!("file {file_id} not found")));
+            };
+            let record = index.files.remove(pos);
+            (record, index.clone())
+        };
+        save_index(&session.workspace, &index).await?;
+        let workspace = session.workspace.clone();
+        let blob_unused = !index.uses_blob(&record.sha256);
+        tokio::task::spawn_blocking(move || {
+            if record.current {
+                let _ = workspace.remove_if_unchanged(&record);
+            }
+            if blob_unused {
+                let _ = std::fs::remove_file(workspace.blob_path(&record.sha256));
+            }
+        })
+        .await
+        .map_err(|e| AppError::internal(format!("delete task failed: {e}")))?;
+        Ok(())
+    }
+
+    /// Whether a file version is past the file TTL.
+    pub fn is_expired(&self, record: &FileRecord) -> bool {
+        let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
+        now_ms().saturating_sub(record.created_ms) >= ttl_ms
+    }
+
+    /// Frees expired files of every session, and removes sessions that have nothing left
+    /// and have been idle past the file TTL (their workspaces too).
+    pub async fn expire_files(&self) {
+        let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
+        for session in self.registry.all() {
+            let expired: Vec<String> = session
+                .index()
+                .files
+                .iter()
+                .filter(|r| self.is_expired(r))
+                .map(|r| r.id.clone())
+                .collect();
+            for id in expired {
+                let _ = self.delete_file(&session, &id).await;
+            }
+            let idle = now_ms().saturating_sub(session.last_used_ms()) >= ttl_ms;
+            if idle && session.sandbox().is_none() && session.index().files.is_empty() {
+                if let Some(_turn) = session.try_acquire() {
+                    self.registry.remove(session.id());
+                    let root = session.workspace.root().to_path_buf();
+                    let _ =
+                        tokio::task::spawn_blocking(move || std::fs::remove_dir_all(root)).await;
+                    tracing::debug!(session = session.id(), "session expired");
+                }
+            }
+        }
+    }
+}
+
+/// Writes a session's index off the async threads.
+pub(crate) async fn save_index(
+    workspace: &Workspace,
+    index: &crate::workspace::FileIndex,
+) -> AppResult<()> {
+    let workspace = workspace.clone();
+    let index = index.clone();
+    tokio::task::spawn_blocking(move || workspace.save_index(&index))
+        .await
+        .map_err(|e| AppError::internal(format!("index task failed: {e}")))?
+        .map_err(|e| AppError::internal(format!("cannot save the file index: {e}")))
+}
