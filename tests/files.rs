@@ -81,3 +81,55 @@ async fn download_ids_are_checked() {
         .await;
     assert_eq!(link["files"], serde_json::json!([]), "{link}");
 }
+
+#[tokio::test]
+async fn planted_links_fifos_and_sockets_never_reach_the_host_side() {
+    let broker = TestBroker::start("planted").await;
+    let code = r#"
+import os, socket
+os.symlink('/etc/shadow', 'shadow.txt')
+os.symlink('/', 'root')
+os.makedirs('d', exist_ok=True)
+os.symlink('/etc', 'd/etc')
+os.mkfifo('pipe.csv')
+s = socket.socket(socket.AF_UNIX); s.bind('sock')
+open('real.txt', 'w').write('real')
+os.link('real.txt', 'hard.txt')
+"#;
+    let started = std::time::Instant::now();
+    let resp = broker.run("py", code, None).await;
+    assert!(
+        started.elapsed().as_secs() < 10,
+        "the harvest must not hang on a FIFO"
+    );
+    let mut names: Vec<&str> = resp["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["hard.txt", "real.txt"], "{resp}");
+    // Swap a reported file for a symlink: its id still serves the harvested bytes.
+    let s = session(&resp);
+    let real = resp["files"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["name"] == "real.txt"))
+        .and_then(|f| f["id"].as_str())
+        .expect("real id")
+        .to_string();
+    broker
+        .run(
+            "bash",
+            "rm real.txt && ln -s /etc/passwd real.txt",
+            Some(&s),
+        )
+        .await;
+    let body = broker
+        .get(&format!("/download/{s}/{real}"))
+        .await
+        .text()
+        .await
+        .expect("text");
+    assert_eq!(body, "real");
+}

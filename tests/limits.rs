@@ -112,3 +112,22 @@ async fn a_crash_is_a_200_with_the_story() {
     assert_eq!(exit["exit_code"], 3, "{exit}");
     assert_eq!(stdout(&exit).trim(), "bye");
 }
+
+#[tokio::test]
+async fn a_long_exec_survives_a_client_with_a_5s_idle_timeout() {
+    let broker = TestBroker::start("keepalive").await;
+    let client = reqwest::Client::builder()
+        .read_timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("client");
+    let resp = client
+        .post(broker.url("/exec"))
+        .json(&json!({ "lang": "py", "code": "import time\ntime.sleep(20)\nprint('done')", "timeout": 30000 }))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.expect("no idle gap over 5 s");
+    let body: serde_json::Value = serde_json::from_str(text.trim()).expect("JSON after whitespace");
+    assert_eq!(stdout(&body).trim(), "done", "{body}");
+}
