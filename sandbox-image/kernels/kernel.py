@@ -15,6 +15,10 @@ Code runs like a notebook cell: globals persist in one `__main__` namespace, a t
 expression's repr is printed, top-level `await` works (on one event loop kept across execs),
 `plt.show()` saves the open figures as plot-<n>.png in the workspace and closes them.
 
+Between cells the kernel cleans up after the one before: whatever the cell wrote is flushed
+to fds 1 and 2 (repaired if the cell closed or replaced them) before `done`, and exited
+children that nothing in the process will wait for are reaped (see "Children" below).
+
 Start-up must be fast: nothing heavy (asyncio, matplotlib, and not even json, re, enum or
 linecache) is imported until it is needed. Host testing: CODEBROKER_WORKDIR (default
 /mnt/data) and CODEBROKER_MPL_CACHE (default /opt/codebroker/mplconfig) move the directories.
@@ -256,7 +260,8 @@ def fill_linecache(linecache):
 class ImportHooks:
     """A meta path finder that acts on the first import of a few modules, so that the kernel
     need not import them itself: it prepares MPLCONFIGDIR before matplotlib is imported,
-    replaces pyplot.show once pyplot is loaded, and hands linecache the cells' sources."""
+    replaces pyplot.show once pyplot is loaded, hands linecache the cells' sources, and has
+    subprocess.Popen objects tracked (track_popen)."""
 
     prepared = False
 
@@ -268,6 +273,8 @@ class ImportHooks:
             return self.spec_with_hook(fullname, path, target, patch_pyplot)
         if fullname == "linecache":
             return self.spec_with_hook(fullname, path, target, fill_linecache)
+        if fullname == "subprocess":
+            return self.spec_with_hook(fullname, path, target, track_popen)
         return None
 
     def spec_with_hook(self, fullname, path, target, after):
@@ -364,6 +371,142 @@ def patch_pyplot(plt):
 
 
 # --------------------------------------------------------------------------------------------
+# Children: reaping what user code forked and nobody waits for
+# --------------------------------------------------------------------------------------------
+#
+# After each exec the runner SIGKILLs every process but itself and the kernel, so whatever a
+# cell started and did not wait for (os.fork(), a Popen it dropped, a background job) ends up
+# a zombie under the kernel, holding a pid of the container's pids limit until reaped.
+#
+# The kernel reaps without blocking (reap_children) at three points: before `done` (children
+# that exited during the cell), on SIGCHLD while idle between cells (the runner's kills come
+# right after `done`; the handler runs in the main thread, which is then blocked reading the
+# next request, so it only ever runs kernel code), and at the start of each cell (anything
+# the handler missed, say the SIGCHLD of a child of a user thread went to that thread).
+# During a cell SIGCHLD is the cell's (whatever disposition it set, default otherwise), and
+# nothing is reaped behind the code's back.
+#
+# A zombie that something in the process still means to wait for is not taken from it, so
+# its exit status is not lost:
+# - a subprocess.Popen that is alive and not yet waited for (asyncio's subprocesses are
+#   Popens too): its wait()/poll() reaps it and gets the real status, -9 for the runner's
+#   kill. Popen.__del__ reaps, or hands to subprocess._active, a child whose Popen is
+#   dropped; those in _active are reaped here (subprocess copes with that);
+# - a multiprocessing child: multiprocessing.active_children() reaps the finished ones and
+#   records their exitcode, as multiprocessing itself does on each start().
+# A bare os.fork()/os.posix_spawn() child is reaped, so os.waitpid() on it in a later cell
+# raises ChildProcessError (within the cell that forked it, it is never reaped first).
+
+POPENS = {}  # pid -> weak reference to the subprocess.Popen that started it
+
+
+def track_popen(subprocess):
+    """Have every subprocess.Popen record its pid in POPENS once its child is started."""
+    cls = subprocess.Popen
+    if getattr(cls.__init__, "_codebroker", False):
+        return
+    import functools
+    import weakref
+
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        pid = getattr(self, "pid", None)
+        if pid:
+            POPENS[pid] = weakref.ref(self)
+
+    __init__._codebroker = True
+    cls.__init__ = __init__
+
+
+def _owned_pids():
+    """Children that an object in the process will wait for (see above)."""
+    owned = set()
+    subprocess = sys.modules.get("subprocess")
+    abandoned = {id(p) for p in list(getattr(subprocess, "_active", None) or ())}
+    for pid, ref in POPENS.copy().items():  # copy(): a user thread may add one meanwhile
+        p = ref()
+        if p is None:
+            if POPENS.get(pid) is ref:
+                del POPENS[pid]
+        elif p.returncode is None and p.pid == pid and id(p) not in abandoned:
+            owned.add(pid)
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None:
+        try:
+            owned.update(proc.pid for proc in mp.active_children() if proc.pid)
+        except Exception:
+            pass
+    return owned
+
+
+def _child_pids():
+    """The kernel's children, from /proc."""
+    task = "/proc/%d/task" % KERNEL_PID
+    pids = set()
+    if os.path.exists("%s/%d/children" % (task, KERNEL_PID)):
+        for tid in os.listdir(task):
+            try:
+                with open("%s/%s/children" % (task, tid), "rb") as f:
+                    pids.update(int(p) for p in f.read().split())
+            except OSError:  # the thread has ended
+                pass
+        return pids
+    # No /proc/<pid>/task/<tid>/children (CONFIG_PROC_CHILDREN): every process's parent.
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rfind(b")") + 2 :].split()[1]) == KERNEL_PID:
+                pids.add(int(name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return pids
+
+
+def reap_children():
+    """Reap, without blocking, the exited children that nothing in the process waits for."""
+    if os.getpid() != KERNEL_PID:
+        return
+    try:
+        if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return  # no child has exited: the common case, one system call
+    except ChildProcessError:
+        return  # no children at all
+    except (AttributeError, OSError):
+        pass
+    owned = _owned_pids()
+    if not owned:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+    try:
+        pids = _child_pids()
+    except OSError:
+        return
+    for pid in pids - owned:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # 0 if it is still running
+        except ChildProcessError:
+            pass
+
+
+def _reap_on_sigchld(signum, frame):
+    try:
+        reap_children()
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
 # Running code
 # --------------------------------------------------------------------------------------------
 
@@ -381,10 +524,51 @@ class Kernel:
         self.main.__dict__.update(__builtins__=__builtins__, __spec__=None, __loader__=None)
         self.ns = self.main.__dict__
         self.loads = _make_json_reader()
+        self.idle = False  # between cells: SIGCHLD is the kernel's (reap_while_idle)
+        self.cell_sigchld = None  # the SIGCHLD disposition a cell set, given back to the next
+
+    # -- between cells ---------------------------------------------------------------------
+
+    def reap_while_idle(self):
+        """After a cell: reap its exited children, and those that exit until the next cell
+        (the runner kills the cell's leftovers right after `done`) on SIGCHLD."""
+        if not self.idle:
+            self.idle = True
+            try:
+                self.cell_sigchld = signal.getsignal(signal.SIGCHLD)
+                if self.cell_sigchld is not None:  # None: set outside Python, left alone
+                    signal.signal(signal.SIGCHLD, _reap_on_sigchld)
+            except (AttributeError, ValueError, OSError):
+                self.cell_sigchld = None
+        reap_children()  # after the handler is set, so no child's exit goes unnoticed
+
+    def end_idle(self):
+        """Before a cell: SIGCHLD back as the cells left it; reap what the handler missed."""
+        if self.idle:
+            self.idle = False
+            if self.cell_sigchld is not None:
+                try:
+                    signal.signal(signal.SIGCHLD, self.cell_sigchld)
+                except (ValueError, OSError):
+                    pass
+                self.cell_sigchld = None
+        reap_children()
+
+    def finish(self, error):
+        """End a cell so that everything it wrote reaches fds 1 and 2 before `done`."""
+        # First to where the cell pointed them (a file it dup2'd onto fd 1, say), then, with
+        # fds and streams repaired, what could not be written (fd 1 was closed, say): it is
+        # this cell's output and must not turn up in the next one's.
+        self.streams.flush()
+        self.streams.restore()
+        if error is not None:
+            self.report(error)
+        self.streams.flush()
 
     # -- one exec ------------------------------------------------------------------------
 
     def prepare(self, args):
+        self.end_idle()
         self.streams.restore()
         sys.modules["__main__"] = self.main
         sys.argv = ["main.py"] + [str(a) for a in args]
@@ -442,7 +626,7 @@ class Kernel:
             raise
 
     def run(self, code, args):
-        """Run one cell; the exit code."""
+        """Run one cell; (exit code, the exception to report or None)."""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.prepare(args)
         try:
@@ -452,28 +636,24 @@ class Kernel:
                 value = self.evaluate(expr)
                 if value is not None and not code.rstrip().endswith(";"):
                     print(repr(value))
-            return 0
+            return 0, None
         except SystemExit as e:
             signal.signal(signal.SIGINT, _ignore_sigint)
             return self.exit_code(e)
         except BaseException as e:
             signal.signal(signal.SIGINT, _ignore_sigint)
-            self.report(e)
-            return 1
+            return 1, e
         finally:
             signal.signal(signal.SIGINT, _ignore_sigint)
 
     def exit_code(self, e):
+        """SystemExit's (exit code, what to report); a message is reported, like Python does."""
         code = e.code
         if code is None:
-            return 0
+            return 0, None
         if isinstance(code, int):
-            return code & 0xFF
-        try:
-            print(code, file=sys.stderr)
-        except Exception:
-            pass
-        return 1
+            return code & 0xFF, None
+        return 1, e
 
     # -- tracebacks ----------------------------------------------------------------------
 
@@ -500,6 +680,14 @@ class Kernel:
         return new
 
     def report(self, exc):
+        """Write exc's traceback (a SystemExit's message) to the kernel's stderr."""
+        if isinstance(exc, SystemExit):
+            try:
+                text = "%s\n" % (exc.code,)
+            except BaseException:
+                text = "SystemExit\n"
+            self.write_error(text)
+            return
         try:
             import linecache
             import traceback
@@ -511,14 +699,16 @@ class Kernel:
             lines = traceback.format_exception(type(exc), exc, tb)
         except BaseException:
             lines = ["%s: %s\n" % (type(exc).__name__, exc)]
-        text = "".join(lines)
-        for stream in (sys.stderr, self.streams.stderr):
-            try:
-                stream.write(text)
-                stream.flush()
-                return
-            except BaseException:
-                continue
+        self.write_error("".join(lines))
+
+    def write_error(self, text):
+        # The kernel's own stderr, just repaired (finish), not one the cell put in sys.stderr:
+        # the traceback is for the runner, and written once.
+        try:
+            self.streams.stderr.write(text)
+            self.streams.stderr.flush()
+        except BaseException:
+            pass
 
     # -- the request loop -----------------------------------------------------------------
 
@@ -531,7 +721,7 @@ class Kernel:
                 line = None
             if line is None:
                 return
-            req_id, exit_code = None, 1
+            req_id, exit_code, error = None, 1, None
             try:
                 try:
                     req = self.loads(line.decode("utf-8"))
@@ -547,14 +737,15 @@ class Kernel:
                     except Exception:
                         pass
                 else:
-                    exit_code = self.run(code, args)
+                    exit_code, error = self.run(code, args)
             except KeyboardInterrupt:
                 # SIGINT landed in the kernel's own code around the cell: still an interrupt.
                 signal.signal(signal.SIGINT, _ignore_sigint)
                 exit_code = 1
-            self.streams.flush()
+            self.finish(error)
             if os.getpid() != KERNEL_PID:
                 os._exit(exit_code)  # a fork() in user code must not answer for the kernel
+            self.reap_while_idle()
             try:
                 self.channel.send({"event": "done", "id": req_id, "exit_code": exit_code})
             except OSError:

@@ -55,12 +55,14 @@ def _build_mpl_cache():
 class Kernel:
     """One kernel process with its pipes, like the runner starts it."""
 
-    def __init__(self, mpl_cache=None):
+    def __init__(self, mpl_cache=None, env=None):
         self.workdir = tempfile.mkdtemp(prefix="cb-work-")
         self.mplconfig = os.path.join(tempfile.mkdtemp(prefix="cb-mpl-"), "mplconfig")
         req_r, self.req_w = os.pipe()
         self.evt_r, evt_w = os.pipe()
-        env = dict(os.environ)
+        extra_env, env = env or {}, dict(os.environ)
+        env.pop("PYTHONUNBUFFERED", None)  # the runner starts the kernel with the image's env
+        env.update(extra_env)
         env.update(
             CODEBROKER_WORKDIR=self.workdir,
             MPLCONFIGDIR=self.mplconfig,
@@ -539,6 +541,174 @@ def test_fork_child_does_not_answer():
         assert sorted(out.split()) == ["child", "parent"], out
         assert k.event(timeout=0.3) is None  # exactly one done
         assert_ok(k.run("print('next')"), "next\n")
+
+
+def test_output_of_a_cell_that_breaks_stdout_stays_in_that_cell():
+    _broken_stdout_cells(Kernel(), lost=False)
+    # unbuffered (python3 -u), the text a failed write could not pass on is dropped
+    _broken_stdout_cells(Kernel(env={"PYTHONUNBUFFERED": "1"}), lost=True)
+
+
+def _broken_stdout_cells(k, lost):
+    with k:
+        # print() after os.close(1) fails (EBADF) with its line still buffered: the line comes
+        # out in this cell (the fd is repaired before `done`) or not at all, never in the next
+        code, out, err = k.run("import os\nos.close(1)\nprint('x')")
+        assert code == 1 and "Bad file descriptor" in err, (code, out, err)
+        assert out in ("x\n", ""), out
+        assert k.run("print('next')") == (0, "next\n", "")
+
+        # unflushed output, then fd 1 closed, then an exception
+        code, out, err = k.run("import sys\nsys.stdout.write('partial')\nos.close(1)\nraise ValueError('v')")
+        assert (code, out) == (1, "" if lost else "partial"), (code, out, err)
+        assert err.count("Traceback") == 1 and "ValueError: v" in err, err
+        assert k.run("print('next')") == (0, "next\n", "")
+
+        # stderr closed: the traceback (written once) is this cell's
+        code, out, err = k.run("print('out')\nos.close(2)\n1 / 0")
+        assert (code, out) == (1, "out\n"), (code, out, err)
+        assert err.count("Traceback") == 1 and "ZeroDivisionError" in err, err
+        assert k.run("print('next')") == (0, "next\n", "")
+
+        # both closed, and a SystemExit message
+        code, out, err = k.run("sys.stdout.write('o')\nsys.stderr.write('e')\nos.close(1)\nos.close(2)\nsys.exit('bye')")
+        assert (code, out, err) == (1, "" if lost else "o", "bye\n" if lost else "ebye\n"), (code, out, err)
+        assert k.run("print('next')") == (0, "next\n", "")
+
+        # sys.stdout and sys.stderr replaced: the traceback still reaches the runner
+        code, out, err = k.run("import io\nsys.stdout = sys.stderr = io.StringIO()\nprint('lost')\n1 / 0")
+        assert code == 1 and out == "" and "ZeroDivisionError" in err, (code, out, err)
+        assert k.run("print('next')") == (0, "next\n", "")
+
+        # what a cell wrote while fd 1 was a file of its own goes to that file, not the runner
+        code, out, err = k.run("f = open('out.txt', 'w')\nos.dup2(f.fileno(), 1)\nprint('to the file', end='')")
+        assert (code, out) == (0, ""), (code, out, err)
+        with open(os.path.join(k.workdir, "out.txt")) as f:
+            assert f.read() == "to the file"
+        assert k.run("print('next')") == (0, "next\n", "")
+
+
+# -- children ----------------------------------------------------------------------------------
+
+
+def _children(pid):
+    """{pid: state letter} of pid's children, from /proc."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found[int(name)] = fields[0]
+    return found
+
+
+def _kill_leftovers(k):
+    """What the runner does after each exec: SIGKILL every live process the kernel started."""
+    killed = []
+    for pid, state in _children(k.proc.pid).items():
+        if state not in "ZX":
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def _wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+WAIT_EXITED = """
+def exited(pid):
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            return f.read().rsplit(')', 1)[1].split()[0] in 'ZX'
+    except OSError:
+        return True  # reaped already
+deadline = time.monotonic() + 10
+while not all(map(exited, pids)) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(all(map(exited, pids)))
+"""
+
+
+def test_exited_children_are_reaped_before_done():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import os, subprocess, time\n"
+            "pids = []\n"
+            "for _ in range(5):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        os._exit(0)\n"
+            "    pids.append(pid)\n"
+            "pids.append(subprocess.Popen(['true']).pid)  # the Popen is dropped\n"
+            + WAIT_EXITED
+        )
+        assert (code, out) == (0, "True\n"), (code, out, err)
+        assert _children(k.proc.pid) == {}  # reaped before `done`, no waiting
+        assert_ok(k.run("print('next')"), "next\n")
+
+
+def test_children_killed_after_done_are_reaped_while_idle():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import os, subprocess\n"
+            "for _ in range(20):\n"
+            "    if os.fork() == 0:\n"
+            "        os.execvp('sleep', ['sleep', '100'])\n"
+            "subprocess.Popen(['sleep', '100']);\n"
+        )
+        assert code == 0, err
+        assert len(_kill_leftovers(k)) == 21
+        # no next request needed: SIGCHLD while idle reaps them
+        assert _wait_until(lambda: _children(k.proc.pid) == {}), _children(k.proc.pid)
+        assert_ok(k.run("print('next')"), "next\n")
+
+        # a cell's own SIGCHLD disposition is given back to the next cell
+        assert_ok(k.run("import signal\nsignal.signal(signal.SIGCHLD, lambda s, f: None)\nprint('set')"), "set\n")
+        assert_ok(k.run("signal.getsignal(signal.SIGCHLD).__name__"), "'<lambda>'\n")
+        assert_ok(k.run("signal.signal(signal.SIGCHLD, signal.SIG_DFL)\nprint('reset')"), "reset\n")
+        assert k.run("os.fork() or os.execvp('sleep', ['sleep', '100'])")[0] == 0
+        assert len(_kill_leftovers(k)) == 1
+        assert _wait_until(lambda: _children(k.proc.pid) == {}), _children(k.proc.pid)
+
+
+def test_reaping_leaves_exit_statuses_to_their_owners():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import asyncio, multiprocessing, os, subprocess, time\n"
+            "p = subprocess.Popen(['sh', '-c', 'exit 3'])\n"
+            "q = subprocess.Popen(['sleep', '100'])\n"
+            "m = multiprocessing.get_context('fork').Process(target=time.sleep, args=(100,))\n"
+            "m.start()\n"
+            "a = await asyncio.create_subprocess_exec('sleep', '100')\n"
+            "pids = [p.pid]\n"
+            + WAIT_EXITED
+            + "print(p.pid, q.pid, m.pid)\n"
+        )
+        assert code == 0, err
+        done, p, q, m = out.split()
+        assert done == "True", out
+        p, q, m = int(p), int(q), int(m)
+        assert len(_kill_leftovers(k)) == 3  # q, m, a
+        # multiprocessing's child is reaped (by multiprocessing, which keeps its exitcode);
+        # the Popens' children are left to the Popens
+        assert _wait_until(lambda: m not in _children(k.proc.pid)), _children(k.proc.pid)
+        time.sleep(0.2)
+        children = _children(k.proc.pid)
+        assert children.get(p) == "Z" and children.get(q) == "Z", children
+        code, out, err = k.run("print(p.wait(), q.wait(), m.exitcode, await a.wait())")
+        assert (code, out, err) == (0, "3 -9 -9 -9\n", ""), (code, out, err)
+        assert _children(k.proc.pid) == {}
 
 
 # -- matplotlib -------------------------------------------------------------------------------

@@ -219,6 +219,8 @@ fn handle(line: &[u8], chan: &Channel, control: &Control) {
             }
         }
         CoordinatorMessage::Cancel => control.cancel(job),
+        // No exec of this runner calls tools yet: nothing waits for a result.
+        CoordinatorMessage::ToolResult(_) => {}
     }
 }
 

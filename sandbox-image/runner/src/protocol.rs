@@ -33,6 +33,8 @@ pub enum CoordinatorMessage {
     Exec(ExecRequest),
     /// Stop the exec of this job id as soon as possible; it still answers with `ExecDone`.
     Cancel,
+    /// The answer to a [`WorkerMessage::ToolCall`] of this job's exec.
+    ToolResult(ToolResult),
 }
 
 /// A message from the runner to the broker.
@@ -43,6 +45,12 @@ pub enum WorkerMessage {
     Hello(HelloResponse),
     /// A chunk of output of a running exec (only when the request asked for streaming).
     Output(OutputChunk),
+    /// Code of this job's exec called a tool; the exec waits for a
+    /// [`CoordinatorMessage::ToolResult`] with the same `call_id`.
+    ToolCall(ToolCall),
+    /// The exec showed a rich value, such as a figure saved by `plt.show()` (only when
+    /// the request asked for streaming).
+    Display(DisplayData),
     /// The exec of this job id finished; the last message of its job.
     ExecDone(ExecResponse),
     /// The request of this job id could not be carried out (or, under job 0, a frame
@@ -101,6 +109,65 @@ pub struct ExecRequest {
     /// final [`ExecResponse`].
     #[serde(default)]
     pub stream: bool,
+    /// Tools the code may call (`await name(**kwargs)` in Python, `await name({...})` in
+    /// JavaScript/TypeScript, a `name` command in bash). Empty: no tool functions.
+    #[serde(default)]
+    pub tools: Vec<ToolSpec>,
+}
+
+/// A tool made callable from sandboxed code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// The tool's name as the client knows it (the function name may differ, e.g. a
+    /// Python keyword gets a `_tool` suffix).
+    pub name: String,
+    /// What the tool does: the generated function's docstring.
+    #[serde(default)]
+    pub description: String,
+    /// JSON Schema of the tool's input object: the generated function's parameters.
+    #[serde(default)]
+    pub parameters: serde_json::Value,
+}
+
+/// One call of a tool by sandboxed code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Unique within the exec; the result names it.
+    pub call_id: String,
+    /// The tool's name (as in [`ToolSpec::name`]).
+    pub name: String,
+    /// The input object the code passed.
+    #[serde(default)]
+    pub input: serde_json::Value,
+}
+
+/// The outcome of a [`ToolCall`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The call this answers.
+    pub call_id: String,
+    /// The tool's result (any JSON).
+    #[serde(default)]
+    pub result: serde_json::Value,
+    /// The tool failed: the code sees an exception (or a non-zero exit in bash).
+    #[serde(default)]
+    pub is_error: bool,
+    /// Why it failed.
+    #[serde(default)]
+    pub error_message: Option<String>,
+}
+
+/// A rich value shown by the code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DisplayData {
+    /// MIME type, e.g. `image/png`.
+    pub mime: String,
+    /// A file under `/mnt/data` holding the value (e.g. `plot-1.png`), when it is one.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The value itself when it is small text (e.g. `text/html`).
+    #[serde(default)]
+    pub data: Option<String>,
 }
 
 impl Request for ExecRequest {
@@ -221,6 +288,7 @@ mod tests {
                 timeout_ms: 1000,
                 max_output_bytes: 64,
                 stream: false,
+                tools: vec![],
             }),
         );
         let line = serde_json::to_string(&req).unwrap();

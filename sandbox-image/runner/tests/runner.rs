@@ -153,6 +153,7 @@ fn req(lang: Language, code: &str) -> ExecRequest {
         timeout_ms: 20_000,
         max_output_bytes: 64 * 1024,
         stream: false,
+        tools: vec![],
     }
 }
 
