@@ -1,8 +1,14 @@
-//! Who is calling: API keys (header or LibreChat's body field) and the end user they name.
+//! Who is calling: API keys (headers, or LibreChat's body field), LibreChat-minted JWTs,
+//! and the end user (API.md, "Identity and auth").
+//!
+//! Under a JWT the user is its `sub`, whatever else the request says; under an API key the
+//! caller is a trusted server and names the user itself (`User-Id`, body `user_id`,
+//! `?kind=user&id=U`).
 
 use crate::config::AuthMode;
 use crate::error::AppError;
 use crate::http::AppState;
+use crate::jwt::looks_like_jwt;
 use axum::body::{to_bytes, Body};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -13,16 +19,42 @@ use axum::response::{IntoResponse, Response};
 /// The body field LibreChat 0.8.5 sends the key in, where the header was dropped.
 const BODY_KEY_FIELD: &str = "LIBRECHAT_CODE_API_KEY";
 
-/// Rejects requests without a valid key (unless auth is off).
-pub async fn require_auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let config = &state.broker.config;
+/// Put in the request's extensions by [`require_auth`] when a JWT authenticated it: the
+/// token's `sub`, which the [`Caller`] extractor then takes over anything the request says.
+#[derive(Debug, Clone)]
+pub struct JwtUser(pub String);
+
+/// What the headers proved.
+enum HeaderAuth {
+    /// A configured API key.
+    Key,
+    /// A valid JWT, for this user.
+    Jwt(String),
+    /// No credentials in the headers (the body may hold the key).
+    Absent,
+}
+
+/// Rejects requests without a valid key or token (unless auth is off).
+pub async fn require_auth(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let broker = &state.broker;
+    let config = &broker.config;
     if config.auth == AuthMode::None {
         return next.run(request).await;
     }
-    if let Some(key) = header_key(request.headers()) {
-        if key_matches(config.api_keys(), key) {
+    match header_auth(&state, request.headers()) {
+        Ok(HeaderAuth::Key) => return next.run(request).await,
+        Ok(HeaderAuth::Jwt(user)) => {
+            request.extensions_mut().insert(JwtUser(user));
             return next.run(request).await;
         }
+        Ok(HeaderAuth::Absent) => {}
+        Err(err) => return err.into_response(),
+    }
+    if !config.body_api_key {
         return AppError::Unauthorized.into_response();
     }
     // No header: the key may be in a JSON body. The body is read once and put back.
@@ -58,14 +90,46 @@ pub async fn require_auth(State(state): State<AppState>, request: Request, next:
     }
 }
 
+/// Checks the credentials in the headers. A bearer token that is a JWT (and not one of
+/// the API keys) must verify; otherwise `X-API-Key`, else the bearer token, must be a key.
+fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppError> {
+    let broker = &state.broker;
+    let config = &broker.config;
+    if let Some(token) = bearer_token(headers) {
+        if !broker.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
+        {
+            return match broker.jwt.verify(token) {
+                Ok(verified) => {
+                    tracing::debug!(user = %verified.user, tenant = ?verified.tenant_id, "JWT accepted");
+                    Ok(HeaderAuth::Jwt(verified.user))
+                }
+                Err(reason) => {
+                    tracing::info!(%reason, "JWT rejected");
+                    Err(AppError::Unauthorized)
+                }
+            };
+        }
+    }
+    match header_key(headers) {
+        Some(key) if key_matches(config.api_keys(), key) => Ok(HeaderAuth::Key),
+        Some(_) => Err(AppError::Unauthorized),
+        None => Ok(HeaderAuth::Absent),
+    }
+}
+
+/// The token of `Authorization: Bearer <token>`.
+fn bearer_token(headers: &HeaderMap) -> Option<&str> {
+    let auth = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = auth.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 /// The key from `X-API-Key` or `Authorization: Bearer`.
 fn header_key(headers: &HeaderMap) -> Option<&str> {
     if let Some(key) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
         return Some(key.trim());
     }
-    let auth = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = auth.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    bearer_token(headers)
 }
 
 /// Compares without an early exit on the first differing byte, so timing does not
@@ -83,16 +147,23 @@ fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> bool {
     ok
 }
 
-/// The end user a request names (`User-Id` header, or `?kind=user&id=U`). Handlers add
-/// a body `user_id` where their body has one.
+/// The end user of a request: a JWT's `sub`, or the one an API-key caller names
+/// (`User-Id` header, or `?kind=user&id=U`). Handlers add a body `user_id` where their
+/// body has one.
 #[derive(Debug, Clone, Default)]
 pub struct Caller {
+    /// Whose sessions and files the request may see; `None`: the API key's whole scope.
     pub user: Option<String>,
+    /// Set when `user` comes from a verified JWT: nothing in the request may change it.
+    pub authoritative: bool,
 }
 
 impl Caller {
-    /// The caller's user, or `body_user` when the headers named none.
+    /// The caller's user, or `body_user` when the headers named none (never over a JWT's).
     pub fn user_or(&self, body_user: Option<&str>) -> Option<String> {
+        if self.authoritative {
+            return self.user.clone();
+        }
         self.user.clone().or_else(|| {
             body_user
                 .map(str::trim)
@@ -106,6 +177,12 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = AppError;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        if let Some(JwtUser(user)) = parts.extensions.get::<JwtUser>() {
+            return Ok(Caller {
+                user: Some(user.clone()),
+                authoritative: true,
+            });
+        }
         let header_user = parts
             .headers
             .get("user-id")
@@ -128,6 +205,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
         });
         Ok(Caller {
             user: header_user.or(query_user),
+            authoritative: false,
         })
     }
 }
@@ -195,5 +273,37 @@ mod tests {
         assert_eq!(percent_decode("a%20b+c").as_deref(), Some("a b c"));
         assert_eq!(percent_decode("%zz"), None);
         assert_eq!(percent_decode("100%"), Some("100%".into()));
+    }
+
+    async fn caller_of(jwt_user: Option<&str>) -> Caller {
+        let request = axum::http::Request::builder()
+            .uri("/download/a/b?kind=user&id=bob")
+            .header("user-id", "alice")
+            .body(())
+            .expect("request");
+        let (mut parts, ()) = request.into_parts();
+        if let Some(user) = jwt_user {
+            parts.extensions.insert(JwtUser(user.to_string()));
+        }
+        Caller::from_request_parts(&mut parts, &())
+            .await
+            .expect("caller")
+    }
+
+    #[tokio::test]
+    async fn a_jwt_user_overrides_whatever_the_request_names() {
+        let by_key = caller_of(None).await;
+        assert_eq!(by_key.user.as_deref(), Some("alice"));
+        assert!(!by_key.authoritative);
+        assert_eq!(by_key.user_or(Some("bob")).as_deref(), Some("alice"));
+
+        let by_jwt = caller_of(Some("carol")).await;
+        assert_eq!(by_jwt.user.as_deref(), Some("carol"));
+        assert!(by_jwt.authoritative);
+        assert_eq!(by_jwt.user_or(Some("alice")).as_deref(), Some("carol"));
+
+        let nobody = Caller::default();
+        assert_eq!(nobody.user_or(Some(" bob ")).as_deref(), Some("bob"));
+        assert_eq!(nobody.user_or(Some("  ")), None);
     }
 }

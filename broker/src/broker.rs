@@ -4,14 +4,19 @@
 use crate::config::Config;
 use crate::error::{AppError, AppResult};
 use crate::ids::{is_valid_id, new_id};
+use crate::jwt::JwtKeys;
+use crate::ratelimit::Limits;
 use crate::sandbox::{docker::short, DockerBackend, Sandbox};
 use crate::session::registry::META_FILE;
 use crate::session::{Pool, Registry, Session, SessionMeta};
 use crate::workspace::{now_ms, FileRecord, HarvestLimits, Workspace};
-use sandbox_runner::{ExecRequest, Language, Limit, OutputChunk, RuntimeStatus};
+use sandbox_runner::{
+    ExecRequest, Language, Limit, RuntimeStatus, ToolCall, ToolResult, ToolSpec, WorkerMessage,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// How much longer than the exec's own limit the broker waits for the runner before it
 /// declares the sandbox broken.
@@ -27,6 +32,10 @@ pub struct Broker {
     pub registry: Registry,
     /// Started sandboxes waiting for new sessions.
     pub pool: Arc<Pool>,
+    /// The per-user exec rate and the container caps (429s).
+    pub limits: Limits,
+    /// Public keys that verify LibreChat's JWTs; empty unless configured.
+    pub jwt: JwtKeys,
     /// `/opt/codebroker/libraries.json` of the image, read once.
     libraries: tokio::sync::OnceCell<serde_json::Value>,
 }
@@ -67,6 +76,28 @@ pub struct ExecInput {
     pub files: Vec<InputFile>,
 }
 
+/// What a front end attaches to an exec besides its input.
+#[derive(Default)]
+pub struct ExecHooks {
+    /// Output chunks and displays as they happen (streaming); `None` collects output
+    /// into the result instead.
+    pub events: Option<mpsc::UnboundedSender<WorkerMessage>>,
+    /// Tools the code may call, and the way to their caller.
+    pub tools: Option<ToolBridge>,
+    /// Stops the exec when cancelled (a client gone, the cancel route).
+    pub cancel: Option<CancellationToken>,
+}
+
+/// The broker's side of programmatic tool calling for one exec.
+pub struct ToolBridge {
+    /// The tools the code is given.
+    pub specs: Vec<ToolSpec>,
+    /// Where the code's calls go.
+    pub calls: mpsc::UnboundedSender<ToolCall>,
+    /// Where their results come from.
+    pub results: mpsc::UnboundedReceiver<ToolResult>,
+}
+
 /// What one exec produced.
 #[derive(Debug, Clone)]
 pub struct ExecOutput {
@@ -86,6 +117,8 @@ impl Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(config.pool_size)),
+            limits: Limits::from_config(&config),
+            jwt: JwtKeys::default(),
             docker: Arc::new(docker),
             config,
             libraries: tokio::sync::OnceCell::new(),
@@ -122,7 +155,8 @@ impl Broker {
         {
             return Ok(s);
         }
-        self.new_session(user, choice.entity_id.as_deref()).await
+        self.new_session(user, choice.entity_id.as_deref(), true)
+            .await
     }
 
     /// The one session every input ref belongs to, when there is one.
@@ -146,14 +180,19 @@ impl Broker {
         }
     }
 
-    /// A new session: a pooled sandbox when one is ready, else an empty workspace whose
-    /// sandbox starts at the first exec.
+    /// A new session: a pooled sandbox when one is ready (and `for_exec`: an upload
+    /// session needs none), else an empty workspace whose sandbox starts at the first exec.
     pub async fn new_session(
         &self,
         user: Option<&str>,
         entity_id: Option<&str>,
+        for_exec: bool,
     ) -> AppResult<Arc<Session>> {
-        let pooled = self.pool.take();
+        // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
+        let _slot = for_exec
+            .then(|| self.limits.container_slot(&self.registry, user))
+            .transpose()?;
+        let pooled = if for_exec { self.pool.take() } else { None };
         let (id, workspace) = match &pooled {
             Some(p) => (p.session_id.clone(), p.workspace.clone()),
             None => {
@@ -180,14 +219,14 @@ impl Broker {
         Ok(session)
     }
 
-    /// Runs one exec in `session`, after the execs queued before it. Output chunks go to
-    /// `stream` as they come, when given. Call it from a task of its own: if it is dropped
-    /// half-way the runner is told to stop.
+    /// Runs one exec in `session`, after the execs queued before it. `hooks` carry what a
+    /// front end attaches: a stream for output, tools, a cancel signal. Call it from a task
+    /// of its own: if it is dropped half-way the runner is told to stop.
     pub async fn exec(
         &self,
         session: Arc<Session>,
         input: ExecInput,
-        stream: Option<mpsc::UnboundedSender<OutputChunk>>,
+        hooks: ExecHooks,
     ) -> AppResult<ExecOutput> {
         let _turn = session.acquire().await;
         let started = Instant::now();
@@ -196,31 +235,85 @@ impl Broker {
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
+        let cap = if hooks.tools.is_some() {
+            self.config.max_programmatic_timeout_ms
+        } else {
+            self.config.max_exec_timeout_ms
+        };
         let timeout_ms = input
             .timeout_ms
             .filter(|t| *t > 0)
             .unwrap_or(self.config.exec_timeout_ms)
-            .min(self.config.max_exec_timeout_ms);
+            .min(cap);
+        let ExecHooks {
+            events,
+            tools,
+            cancel,
+        } = hooks;
+        let (specs, calls_tx, mut results_rx) = match tools {
+            Some(bridge) => (bridge.specs, Some(bridge.calls), Some(bridge.results)),
+            None => (Vec::new(), None, None),
+        };
+        let known: std::collections::HashSet<String> =
+            specs.iter().map(|t| t.name.clone()).collect();
+        // Calls to tools the code was not given are answered here, never sent on.
+        let (refusals_tx, mut refusals_rx) = mpsc::unbounded_channel::<ToolResult>();
         let request = ExecRequest {
             lang: input.lang,
             code: input.code,
             args: input.args,
             timeout_ms,
             max_output_bytes: self.config.max_output_bytes,
-            stream: stream.is_some(),
+            stream: events.is_some(),
+            tools: specs,
         };
         let job = sandbox.new_job();
         let guard = CancelOnDrop {
             sandbox: Some(sandbox.clone()),
             job,
         };
-        let run = sandbox.exec_as(job, request, |chunk| {
-            if let Some(tx) = &stream {
-                let _ = tx.send(chunk);
+        let run = sandbox.exec_as(job, request, |msg| match msg {
+            WorkerMessage::ToolCall(call) => match &calls_tx {
+                Some(tx) if known.contains(&call.name) => {
+                    let _ = tx.send(call);
+                }
+                _ => {
+                    let _ = refusals_tx.send(ToolResult {
+                        error_message: Some(format!("Unknown tool: '{}'", call.name)),
+                        call_id: call.call_id,
+                        result: serde_json::Value::Null,
+                        is_error: true,
+                    });
+                }
+            },
+            other => {
+                if let Some(tx) = &events {
+                    let _ = tx.send(other);
+                }
             }
         });
+        let cancel = cancel.unwrap_or_default();
+        let drive = async {
+            tokio::pin!(run);
+            let mut cancelled = false;
+            loop {
+                tokio::select! {
+                    done = &mut run => return done,
+                    Some(result) = recv_opt(&mut results_rx) => {
+                        let _ = sandbox.tool_result(job, result).await;
+                    }
+                    Some(result) = refusals_rx.recv() => {
+                        let _ = sandbox.tool_result(job, result).await;
+                    }
+                    _ = cancel.cancelled(), if !cancelled => {
+                        cancelled = true;
+                        let _ = sandbox.cancel(job).await;
+                    }
+                }
+            }
+        };
         let outcome =
-            tokio::time::timeout(Duration::from_millis(timeout_ms) + EXEC_GRACE, run).await;
+            tokio::time::timeout(Duration::from_millis(timeout_ms) + EXEC_GRACE, drive).await;
         guard.disarm();
         let mut output = match outcome {
             Ok(Ok(done)) => ExecOutput {
@@ -279,6 +372,9 @@ impl Broker {
             }
             self.discard_sandbox(session, &sandbox).await;
         }
+        let _slot = self
+            .limits
+            .container_slot(&self.registry, session.meta.user.as_deref())?;
         let files_dir = session.workspace.files_dir();
         if !files_dir.is_dir() {
             session
@@ -308,71 +404,6 @@ impl Broker {
             }
         }
         self.docker.remove(&sandbox.container_id).await;
-    }
-
-    /// Copies input files from other sessions into this one; checks the others exist.
-    async fn place_inputs(
-        &self,
-        session: &Arc<Session>,
-        files: &[InputFile],
-        notes: &mut Vec<String>,
-    ) -> AppResult<()> {
-        for file in files {
-            let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
-            let source = if file.session_id == session.id() {
-                session.clone()
-            } else {
-                match self.registry.get(&file.session_id) {
-                    Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
-                    Some(_) => {
-                        return Err(AppError::Forbidden(
-                            "an input file belongs to another user".into(),
-                        ))
-                    }
-                    None => {
-                        notes.push(missing());
-                        continue;
-                    }
-                }
-            };
-            let record = source.index().get(&file.id).cloned();
-            let Some(record) = record else {
-                notes.push(missing());
-                continue;
-            };
-            if Arc::ptr_eq(&source, session) {
-                if !session.workspace.files_dir().join(&record.name).exists() {
-                    notes.push(missing());
-                }
-                continue;
-            }
-            let from = source.workspace.clone();
-            let to = session.workspace.clone();
-            let uid = self.config.sandbox_uid;
-            let target = if file.name.is_empty() {
-                record.name.clone()
-            } else {
-                file.name.clone()
-            };
-            let copied =
-                tokio::task::spawn_blocking(move || to.copy_in(&from, &record.name, &target, uid))
-                    .await
-                    .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
-            match copied {
-                Ok(record) => {
-                    let mut index = session.index();
-                    for r in index.files.iter_mut().filter(|r| r.name == record.name) {
-                        r.current = false;
-                    }
-                    index.files.push(record);
-                }
-                Err(err) => notes.push(format!(
-                    "Input file {:?} could not be placed: {err}",
-                    file.name
-                )),
-            }
-        }
-        Ok(())
     }
 
     /// Finds the files the exec created or changed and saves the index.
@@ -503,6 +534,14 @@ impl Broker {
                 }
             }
         }
+    }
+}
+
+/// Receives from an optional channel; never resolves without one.
+async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -54,6 +54,20 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MAX_EXEC_TIMEOUT_MS", default_value_t = 30_000)]
     pub max_exec_timeout_ms: u64,
 
+    /// Upper bound on the wall-time limit of a programmatic run (code that calls tools,
+    /// waiting for the client's results included), in milliseconds.
+    #[arg(
+        long,
+        env = "CODEBROKER_MAX_PROGRAMMATIC_TIMEOUT_MS",
+        default_value_t = 300_000
+    )]
+    pub max_programmatic_timeout_ms: u64,
+
+    /// Seconds a continuation token of a programmatic run stays valid; a run whose client
+    /// does not come back in time is stopped.
+    #[arg(long, env = "CODEBROKER_CONTINUATION_TTL_SECS", default_value_t = 300)]
+    pub continuation_ttl_secs: u64,
+
     /// Cap on each of stdout and stderr of one exec, in bytes; the rest is dropped.
     #[arg(long, env = "CODEBROKER_MAX_OUTPUT_BYTES", default_value_t = 64 * 1024)]
     pub max_output_bytes: u64,
@@ -114,6 +128,15 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 
+    /// Seconds a file version is kept after it was written or uploaded; then its id answers
+    /// 404 and its space is freed (LibreChat re-uploads after 23 hours).
+    #[arg(long, env = "CODEBROKER_FILE_TTL_SECS", default_value_t = 86_400)]
+    pub file_ttl_secs: u64,
+
+    /// Largest uploaded file, in MiB (over it: 413).
+    #[arg(long, env = "CODEBROKER_MAX_UPLOAD_MB", default_value_t = 100)]
+    pub max_upload_mb: u64,
+
     /// Largest request body, in MiB.
     #[arg(long, env = "CODEBROKER_MAX_BODY_MB", default_value_t = 16)]
     pub max_body_mb: usize,
@@ -130,6 +153,45 @@ pub struct Config {
     /// to re-attach to. Pooled containers are always removed.
     #[arg(long, env = "CODEBROKER_REMOVE_CONTAINERS_ON_SHUTDOWN", default_value_t = false, action = clap::ArgAction::Set)]
     pub remove_containers_on_shutdown: bool,
+
+    /// Public keys that verify LibreChat-minted JWTs (`Authorization: Bearer <JWT>`),
+    /// comma-separated: each a PEM file path or an inline PEM (`\n` escapes allowed),
+    /// optionally named by the tokens' `kid` header as `kid=path`. Ed25519 keys verify
+    /// EdDSA tokens, RSA keys RS256. Empty: JWTs are not accepted.
+    #[arg(long, env = "CODEBROKER_JWT_PUBLIC_KEYS", value_delimiter = ',')]
+    pub jwt_public_keys: Vec<String>,
+
+    /// The `iss` claim a JWT must carry (LibreChat's default).
+    #[arg(long, env = "CODEBROKER_JWT_ISSUER", default_value = "librechat")]
+    pub jwt_issuer: String,
+
+    /// The `aud` claim a JWT must carry (LibreChat's default).
+    #[arg(long, env = "CODEBROKER_JWT_AUDIENCE", default_value = "codeapi")]
+    pub jwt_audience: String,
+
+    /// Accept the API key in the `LIBRECHAT_CODE_API_KEY` field of a JSON body (LibreChat
+    /// 0.8.5 sends it there instead of a header).
+    #[arg(long, env = "CODEBROKER_BODY_API_KEY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub body_api_key: bool,
+
+    /// Execs each user may start per minute (0: no limit). Callers that name no user share
+    /// one budget. Over it: 429 with `retry_after_seconds`.
+    #[arg(long, env = "CODEBROKER_RATE_EXECS_PER_MINUTE", default_value_t = 0)]
+    pub rate_execs_per_minute: u32,
+
+    /// Execs a user may start at once after a pause (0: as many as the per-minute rate).
+    #[arg(long, env = "CODEBROKER_RATE_BURST", default_value_t = 0)]
+    pub rate_burst: u32,
+
+    /// Sessions with a running sandbox one user may have at once (0: no limit). Over it: 429
+    /// until one of them has been idle for CODEBROKER_IDLE_TTL_SECS.
+    #[arg(long, env = "CODEBROKER_MAX_SESSIONS_PER_USER", default_value_t = 0)]
+    pub max_sessions_per_user: usize,
+
+    /// Session sandboxes this broker runs at once, all users together (0: no limit; pooled
+    /// ones waiting for a session are not counted). Over it: 429.
+    #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value_t = 0)]
+    pub max_containers: usize,
 
     /// Log format: `text` or `json`.
     #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
@@ -148,10 +210,13 @@ pub enum AuthMode {
 impl Config {
     /// Checks settings that clap cannot check on its own.
     pub fn validate(&self) -> Result<(), String> {
-        if self.auth == AuthMode::Key && self.api_keys().next().is_none() {
+        if self.auth == AuthMode::Key
+            && self.api_keys().next().is_none()
+            && self.jwt_key_entries().next().is_none()
+        {
             return Err(
-                "no API key: set CODEBROKER_API_KEY, or CODEBROKER_AUTH=none to run \
-                        without authentication"
+                "no API key: set CODEBROKER_API_KEY (or CODEBROKER_JWT_PUBLIC_KEYS), or \
+                 CODEBROKER_AUTH=none to run without authentication"
                     .into(),
             );
         }
@@ -167,6 +232,14 @@ impl Config {
     /// The configured API keys, blanks dropped.
     pub fn api_keys(&self) -> impl Iterator<Item = &str> {
         self.api_key
+            .iter()
+            .map(|k| k.trim())
+            .filter(|k| !k.is_empty())
+    }
+
+    /// The configured JWT public key entries, blanks dropped.
+    pub fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
+        self.jwt_public_keys
             .iter()
             .map(|k| k.trim())
             .filter(|k| !k.is_empty())
@@ -211,5 +284,12 @@ mod tests {
         assert_eq!(config.api_keys().collect::<Vec<_>>(), ["a", "b"]);
         let config = Config::parse_from(["codebroker", "--auth", "none"]);
         assert!(config.validate().is_ok());
+        // A JWT key alone is enough too.
+        let config = Config::parse_from(["codebroker", "--jwt-public-keys", "k=/keys/lc.pem"]);
+        assert!(config.validate().is_ok());
+        assert_eq!(
+            config.jwt_key_entries().collect::<Vec<_>>(),
+            ["k=/keys/lc.pem"]
+        );
     }
 }

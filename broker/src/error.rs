@@ -94,7 +94,19 @@ impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let status = self.status();
         let body = self.body();
-        (status, Json(body)).into_response()
+        let mut response = (status, Json(body)).into_response();
+        // The standard header too, for clients that know it rather than the body field.
+        if let AppError::RateLimited {
+            retry_after_seconds,
+            ..
+        } = self
+        {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(retry_after_seconds),
+            );
+        }
+        response
     }
 }
 
@@ -110,6 +122,21 @@ mod tests {
         let body = err.body();
         assert_eq!(body["error"], "internal_error");
         assert!(!body["message"].as_str().unwrap_or("").contains("secret"));
+    }
+
+    #[test]
+    fn rate_limited_has_the_wait_in_body_and_header() {
+        let err = AppError::RateLimited {
+            message: "slow down".into(),
+            retry_after_seconds: 7,
+        };
+        assert_eq!(err.body()["retry_after_seconds"], 7);
+        let response = err.into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            response.headers().get(axum::http::header::RETRY_AFTER),
+            Some(&axum::http::HeaderValue::from(7u64))
+        );
     }
 
     #[test]

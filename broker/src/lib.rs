@@ -9,8 +9,11 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod ids;
+pub mod jwt;
+pub mod ratelimit;
 pub mod sandbox;
 pub mod session;
+pub mod storage;
 pub mod workspace;
 
 use crate::broker::Broker;
@@ -26,6 +29,7 @@ use tokio::net::TcpListener;
 /// containers: everything `run` needs, ready to serve.
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
+    let jwt = jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
     let mut config = config;
     std::fs::create_dir_all(config.data_dir.join("sessions"))
         .with_context(|| format!("cannot create {}", config.data_dir.display()))?;
@@ -39,7 +43,9 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     if !docker.image_present().await {
         tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
     }
-    let broker = Arc::new(Broker::new(config, docker));
+    let mut broker = Broker::new(config, docker);
+    broker.jwt = jwt;
+    let broker = Arc::new(broker);
     broker
         .reconcile()
         .await
@@ -80,7 +86,10 @@ async fn reap_loop(broker: Arc<Broker>, mut stop: tokio::sync::watch::Receiver<b
     let every = Duration::from_secs(broker.config.reap_interval_secs.max(1));
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(every) => broker.reap_idle().await,
+            _ = tokio::time::sleep(every) => {
+                broker.reap_idle().await;
+                broker.expire_files().await;
+            }
             _ = async { stop.wait_for(|s| *s).await.map(|_| ()) } => return,
         }
     }

@@ -1,0 +1,451 @@
+//! Rate limits and capacity, each a setting and each off at 0: a per-user exec rate (a
+//! token bucket), a per-user cap on live sessions (sessions with a running container) and
+//! a cap on session containers for the whole broker. Going over any of them is a 429
+//! `rate_limited` with `retry_after_seconds` (API.md).
+//!
+//! Callers that name no user (an API key alone, or auth off) share one budget.
+
+use crate::config::Config;
+use crate::error::{AppError, AppResult};
+use crate::session::Registry;
+use crate::workspace::now_ms;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use tokio::time::Instant;
+
+/// Above this many users' buckets, the full ones (users idle long enough to have their
+/// whole budget back) are forgotten, so the map does not grow with every user ever seen.
+const PRUNE_ABOVE: usize = 4096;
+
+/// Added to a capacity 429's wait for the reaper's own work (its rounds start one interval
+/// after the previous round ended), so that waiting the time told is enough.
+const REAP_SLACK_SECS: u64 = 1;
+
+/// Who a budget or a cap is for: the user, or `None` for callers that name none.
+type UserKey = Option<String>;
+
+/// Every limit of the broker.
+pub struct Limits {
+    /// The per-user exec rate; `None` when `CODEBROKER_RATE_EXECS_PER_MINUTE` is 0.
+    exec_rate: Option<TokenBuckets>,
+    /// Most live sessions one user may have (0: no cap).
+    max_per_user: usize,
+    /// Most session containers in all (0: no cap).
+    max_total: usize,
+    /// How long after its last use a container is gone at the latest (idle TTL, one reaper
+    /// round and [`REAP_SLACK_SECS`]), in ms: what a capacity 429's `retry_after_seconds`
+    /// is made from.
+    release_after_ms: u64,
+    /// Container starts admitted but not yet live, so that starts racing each other cannot
+    /// all pass a cap that only one of them fits under.
+    starting: Mutex<Starting>,
+}
+
+/// Container starts under way.
+#[derive(Default)]
+struct Starting {
+    /// All of them.
+    total: usize,
+    /// Per user.
+    per_user: HashMap<UserKey, usize>,
+}
+
+/// A session that holds a running container, as the caps see it.
+#[derive(Debug, Clone)]
+pub struct LiveSession {
+    /// Its owner.
+    pub user: UserKey,
+    /// Milliseconds since the epoch of its last use (the reaper removes the container an
+    /// idle TTL after it).
+    pub last_used_ms: u64,
+}
+
+/// The right to start (or hand out) one session container. Hold it until the container
+/// is set on its session; dropping it frees the place it reserved.
+#[must_use = "the reservation ends when the slot is dropped"]
+pub struct ContainerSlot<'a> {
+    /// Where the reservation is counted.
+    limits: &'a Limits,
+    /// The user it is counted for; `None` when no cap is on and nothing was counted.
+    user: Option<UserKey>,
+}
+
+impl Drop for ContainerSlot<'_> {
+    fn drop(&mut self) {
+        let Some(user) = self.user.take() else {
+            return;
+        };
+        let mut starting = self.limits.lock();
+        starting.total = starting.total.saturating_sub(1);
+        if let Some(n) = starting.per_user.get_mut(&user) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                starting.per_user.remove(&user);
+            }
+        }
+    }
+}
+
+impl Limits {
+    /// The limits the configuration asks for.
+    pub fn from_config(config: &Config) -> Limits {
+        let exec_rate = (config.rate_execs_per_minute > 0).then(|| {
+            let burst = if config.rate_burst > 0 {
+                config.rate_burst
+            } else {
+                config.rate_execs_per_minute
+            };
+            TokenBuckets::new(config.rate_execs_per_minute, burst)
+        });
+        Limits {
+            exec_rate,
+            max_per_user: config.max_sessions_per_user,
+            max_total: config.max_containers,
+            release_after_ms: config
+                .idle_ttl_secs
+                .saturating_add(config.reap_interval_secs.max(1))
+                .saturating_add(REAP_SLACK_SECS)
+                .saturating_mul(1000),
+            starting: Mutex::new(Starting::default()),
+        }
+    }
+
+    /// Takes one exec from `user`'s budget, or says when the next one is allowed.
+    pub fn check_exec(&self, user: Option<&str>) -> AppResult<()> {
+        let Some(rate) = &self.exec_rate else {
+            return Ok(());
+        };
+        rate.take(user, Instant::now())
+            .map_err(|retry_after_seconds| AppError::RateLimited {
+                message: format!(
+                    "too many executions: at most {} per minute{}; retry in {retry_after_seconds} s",
+                    rate.per_minute,
+                    if user.is_some() { " per user" } else { "" },
+                ),
+                retry_after_seconds,
+            })
+    }
+
+    /// Reserves a place for one more container of `user`'s, when the caps allow it.
+    pub fn container_slot(
+        &self,
+        registry: &Registry,
+        user: Option<&str>,
+    ) -> AppResult<ContainerSlot<'_>> {
+        if self.max_per_user == 0 && self.max_total == 0 {
+            return Ok(ContainerSlot {
+                limits: self,
+                user: None,
+            });
+        }
+        // Counted under the lock, so that two starts cannot both take the last place.
+        let mut starting = self.lock();
+        let live: Vec<LiveSession> = registry
+            .all()
+            .iter()
+            .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
+            .map(|s| LiveSession {
+                user: s.meta.user.clone(),
+                last_used_ms: s.last_used_ms(),
+            })
+            .collect();
+        self.admit(&mut starting, &live, user, now_ms())?;
+        Ok(ContainerSlot {
+            limits: self,
+            user: Some(user.map(str::to_string)),
+        })
+    }
+
+    /// Checks both caps against the live sessions plus the starts under way, and counts
+    /// one more start.
+    fn admit(
+        &self,
+        starting: &mut Starting,
+        live: &[LiveSession],
+        user: Option<&str>,
+        now_ms: u64,
+    ) -> AppResult<()> {
+        let key: UserKey = user.map(str::to_string);
+        if self.max_total > 0 && live.len() + starting.total >= self.max_total {
+            return Err(AppError::RateLimited {
+                message: format!(
+                    "the broker is at capacity ({} sandboxes running); retry later",
+                    self.max_total
+                ),
+                retry_after_seconds: self.retry_after(live.iter(), now_ms),
+            });
+        }
+        let starting_mine = starting.per_user.get(&key).copied().unwrap_or(0);
+        let mine = live.iter().filter(|s| s.user == key);
+        if self.max_per_user > 0 && mine.clone().count() + starting_mine >= self.max_per_user {
+            return Err(AppError::RateLimited {
+                message: format!(
+                    "too many live sessions: at most {} with a running sandbox{}; reuse a \
+                     session_id or retry later",
+                    self.max_per_user,
+                    if user.is_some() { " per user" } else { "" },
+                ),
+                retry_after_seconds: self.retry_after(mine, now_ms),
+            });
+        }
+        starting.total += 1;
+        *starting.per_user.entry(key).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// Seconds until the first of `live` is idle long enough to be reaped; at least 1.
+    fn retry_after<'a>(&self, live: impl Iterator<Item = &'a LiveSession>, now_ms: u64) -> u64 {
+        live.map(|s| {
+            s.last_used_ms
+                .saturating_add(self.release_after_ms)
+                .saturating_sub(now_ms)
+        })
+        .min()
+        .map_or(1, |ms| ms.div_ceil(1000).max(1))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Starting> {
+        // Counters only; a panic elsewhere leaves them usable.
+        self.starting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One token bucket per user: `burst` tokens at most, refilled at `per_minute` a minute.
+struct TokenBuckets {
+    /// Refill rate, for messages.
+    per_minute: u32,
+    /// Refill rate in tokens a second.
+    per_second: f64,
+    /// Bucket size: how many execs may come at once after a pause.
+    burst: f64,
+    /// The buckets, by user.
+    buckets: Mutex<HashMap<UserKey, Bucket>>,
+}
+
+/// One user's budget.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    /// Tokens left at `at`.
+    tokens: f64,
+    /// When `tokens` was computed.
+    at: Instant,
+}
+
+impl Bucket {
+    fn tokens_at(&self, now: Instant, per_second: f64, burst: f64) -> f64 {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        (self.tokens + elapsed * per_second).min(burst)
+    }
+}
+
+impl TokenBuckets {
+    fn new(per_minute: u32, burst: u32) -> TokenBuckets {
+        TokenBuckets {
+            per_minute,
+            per_second: f64::from(per_minute) / 60.0,
+            burst: f64::from(burst.max(1)),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes a token of `user`'s at `now`, or returns the seconds until one is there.
+    fn take(&self, user: Option<&str>, now: Instant) -> Result<(), u64> {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let key: UserKey = user.map(str::to_string);
+        if buckets.len() > PRUNE_ABOVE && !buckets.contains_key(&key) {
+            let (rate, burst) = (self.per_second, self.burst);
+            buckets.retain(|_, b| b.tokens_at(now, rate, burst) < burst);
+        }
+        let bucket = buckets.entry(key).or_insert(Bucket {
+            tokens: self.burst,
+            at: now,
+        });
+        bucket.tokens = bucket.tokens_at(now, self.per_second, self.burst);
+        bucket.at = now;
+        // A hair below 1 is float error after waiting exactly the time we told.
+        if bucket.tokens >= 1.0 - 1e-9 {
+            bucket.tokens = (bucket.tokens - 1.0).max(0.0);
+            return Ok(());
+        }
+        let wait = (1.0 - bucket.tokens) / self.per_second;
+        Err((wait.ceil() as u64).max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn limits(adjust: impl FnOnce(&mut Config)) -> Limits {
+        let mut config = Config::for_tests("/tmp".into(), "limits-test");
+        adjust(&mut config);
+        Limits::from_config(&config)
+    }
+
+    fn retry_after(err: AppError) -> u64 {
+        match err {
+            AppError::RateLimited {
+                retry_after_seconds,
+                ..
+            } => retry_after_seconds,
+            other => panic!("expected rate_limited, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn token_bucket_refills_at_the_rate() {
+        let buckets = TokenBuckets::new(6, 2); // one token every 10 s, two at once
+        let t0 = Instant::now();
+        assert!(buckets.take(Some("a"), t0).is_ok());
+        assert!(buckets.take(Some("a"), t0).is_ok());
+        assert_eq!(buckets.take(Some("a"), t0), Err(10));
+        // Another user has a budget of their own.
+        assert!(buckets.take(Some("b"), t0).is_ok());
+        assert_eq!(buckets.take(Some("a"), t0 + Duration::from_secs(4)), Err(6));
+        assert!(buckets
+            .take(Some("a"), t0 + Duration::from_secs(10))
+            .is_ok());
+        assert!(buckets
+            .take(Some("a"), t0 + Duration::from_secs(10))
+            .is_err());
+        // A long pause gives back the burst, not more.
+        let later = t0 + Duration::from_secs(3600);
+        assert!(buckets.take(Some("a"), later).is_ok());
+        assert!(buckets.take(Some("a"), later).is_ok());
+        assert!(buckets.take(Some("a"), later).is_err());
+        // Callers naming no user share one bucket.
+        assert!(buckets.take(None, t0).is_ok());
+        assert!(buckets.take(None, t0).is_ok());
+        assert!(buckets.take(None, t0).is_err());
+    }
+
+    #[test]
+    fn waiting_the_time_told_is_enough() {
+        let buckets = TokenBuckets::new(7, 1);
+        let mut now = Instant::now();
+        for _ in 0..20 {
+            if let Err(wait) = buckets.take(Some("u"), now) {
+                now += Duration::from_secs(wait);
+                assert!(buckets.take(Some("u"), now).is_ok());
+            }
+        }
+    }
+
+    #[test]
+    fn idle_buckets_are_pruned() {
+        let buckets = TokenBuckets::new(60, 1);
+        let t0 = Instant::now();
+        for i in 0..=PRUNE_ABOVE {
+            assert!(buckets.take(Some(&i.to_string()), t0).is_ok());
+        }
+        assert!(buckets
+            .take(Some("late"), t0 + Duration::from_secs(5))
+            .is_ok());
+        assert!(buckets.buckets.lock().expect("lock").len() <= 2);
+    }
+
+    #[test]
+    fn exec_rate_from_settings() {
+        let off = limits(|_| {});
+        for _ in 0..100 {
+            assert!(off.check_exec(Some("u")).is_ok());
+        }
+        let on = limits(|c| {
+            c.rate_execs_per_minute = 60;
+            c.rate_burst = 2;
+        });
+        assert!(on.check_exec(Some("u")).is_ok());
+        assert!(on.check_exec(Some("u")).is_ok());
+        let err = on.check_exec(Some("u")).expect_err("third is over");
+        let body = err.body();
+        assert_eq!(body["error"], "rate_limited");
+        assert_eq!(body["retry_after_seconds"], 1);
+        // The burst defaults to the per-minute rate.
+        let default_burst = limits(|c| c.rate_execs_per_minute = 3);
+        for _ in 0..3 {
+            assert!(default_burst.check_exec(None).is_ok());
+        }
+        assert_eq!(
+            retry_after(default_burst.check_exec(None).expect_err("4th")),
+            20
+        );
+    }
+
+    fn live(user: &str, last_used_ms: u64) -> LiveSession {
+        LiveSession {
+            user: Some(user.into()),
+            last_used_ms,
+        }
+    }
+
+    #[test]
+    fn global_container_cap() {
+        let limits = limits(|c| {
+            c.max_containers = 2;
+            c.idle_ttl_secs = 60;
+            c.reap_interval_secs = 10;
+        });
+        let now = 1_000_000;
+        let mut starting = Starting::default();
+        let running = [live("a", now - 20_000), live("b", now - 50_000)];
+        let err = limits
+            .admit(&mut starting, &running, Some("c"), now)
+            .expect_err("full");
+        // b's container goes first: idle 50 s of 60, plus a reaper round and the slack.
+        assert_eq!(retry_after(err), 21);
+        assert!(limits
+            .admit(&mut starting, &running[..1], Some("c"), now)
+            .is_ok());
+        // The start under way takes the last place.
+        assert!(limits
+            .admit(&mut starting, &running[..1], Some("d"), now)
+            .is_err());
+    }
+
+    #[test]
+    fn per_user_session_cap() {
+        let limits = limits(|c| {
+            c.max_sessions_per_user = 1;
+            c.idle_ttl_secs = 5;
+            c.reap_interval_secs = 1;
+        });
+        let now = 1_000_000;
+        let mut starting = Starting::default();
+        let running = [live("a", now)];
+        let err = limits
+            .admit(&mut starting, &running, Some("a"), now)
+            .expect_err("a has one");
+        assert_eq!(retry_after(err), 7);
+        assert!(limits
+            .admit(&mut starting, &running, Some("b"), now)
+            .is_ok());
+        assert!(limits
+            .admit(&mut starting, &running, Some("b"), now)
+            .is_err());
+        // Long past its idle TTL (the reaper is late): retry soon, not never.
+        let stale = [live("a", 0)];
+        let err = limits
+            .admit(&mut Starting::default(), &stale, Some("a"), now)
+            .expect_err("still counted");
+        assert_eq!(retry_after(err), 1);
+    }
+
+    #[test]
+    fn slots_hold_a_place_until_dropped() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let registry = Registry::new(tmp.path());
+        let limits = limits(|c| c.max_containers = 1);
+        let slot = limits.container_slot(&registry, Some("a")).expect("free");
+        assert!(limits.container_slot(&registry, Some("b")).is_err());
+        drop(slot);
+        assert!(limits.container_slot(&registry, Some("b")).is_ok());
+        // No cap: nothing is counted.
+        let open = self::limits(|_| {});
+        let slots: Vec<_> = (0..10)
+            .map(|_| open.container_slot(&registry, None).expect("open"))
+            .collect();
+        assert_eq!(slots.len(), 10);
+        assert_eq!(open.lock().total, 0);
+    }
+}
