@@ -2,19 +2,22 @@
 
 use super::{ApiJson, AppState};
 use crate::auth::Caller;
-use crate::broker::{ExecInput, ExecOutput, InputFile, SessionChoice};
+use crate::broker::{ExecHooks, ExecInput, ExecOutput, InputFile, SessionChoice};
 use crate::error::{AppError, AppResult};
 use crate::ids::is_valid_id;
 use axum::body::Body;
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use sandbox_runner::{Language, RuntimeStatus};
+use sandbox_runner::{DisplayData, Language, RuntimeStatus, Stream, WorkerMessage};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// How long a call may take before the answer switches to a stream that starts with
 /// whitespace, so idle-socket timeouts of clients (LibreChat's is a few seconds) do not
@@ -24,7 +27,9 @@ const KEEPALIVE_AFTER: Duration = Duration::from_secs(2);
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(3);
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/exec", post(exec))
+    Router::new()
+        .route("/exec", post(exec))
+        .route("/exec/stream", post(exec_stream))
 }
 
 /// The body of `POST /exec` (both contract generations). Unknown fields are ignored.
@@ -173,7 +178,8 @@ async fn exec(
     let session = broker.choose_session(&choice, &input.files).await?;
     // The exec runs in a task of its own: a client that goes away does not leave the
     // session half-way through a call.
-    let mut task = tokio::spawn(async move { broker.exec(session, input, None).await });
+    let mut task =
+        tokio::spawn(async move { broker.exec(session, input, Default::default()).await });
 
     match tokio::time::timeout(KEEPALIVE_AFTER, &mut task).await {
         Ok(joined) => {
@@ -210,4 +216,136 @@ fn keepalive_response(task: tokio::task::JoinHandle<AppResult<ExecOutput>>) -> R
         Body::from_stream(stream),
     )
         .into_response()
+}
+
+/// One event of a streamed exec, as SSE (`event:` name, `data:` payload) or NDJSON
+/// (`{"event", "data"}` per line).
+fn stream_event(name: &str, data: Value, ndjson: bool) -> Result<Bytes, std::convert::Infallible> {
+    let text = if ndjson {
+        let mut line = json!({ "event": name, "data": data }).to_string();
+        line.push('\n');
+        line
+    } else {
+        let payload = match &data {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        let mut out = format!("event: {name}\n");
+        for line in payload.split('\n') {
+            out.push_str("data: ");
+            out.push_str(line);
+            out.push('\n');
+        }
+        out.push('\n');
+        out
+    };
+    Ok(Bytes::from(text))
+}
+
+/// A `display` event: what the code showed, with the image inline when it is small.
+fn display_json(workspace: &crate::workspace::Workspace, display: DisplayData) -> Value {
+    let mut out = json!({ "mime": display.mime });
+    if let Some(name) = &display.name {
+        out["name"] = json!(name);
+        out["path"] = json!(format!("/mnt/data/{name}"));
+        if let Ok((mut file, size)) = workspace.open_file(name) {
+            let mut bytes = Vec::new();
+            if size <= 5 * 1024 * 1024 && std::io::Read::read_to_end(&mut file, &mut bytes).is_ok()
+            {
+                use base64::Engine as _;
+                out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+            }
+        }
+    } else if let Some(data) = display.data {
+        out["data"] = json!(data);
+    }
+    out
+}
+
+/// `POST /exec/stream`: the `/exec` request answered as `text/event-stream` (or NDJSON
+/// with `Accept: application/x-ndjson`): `stdout`/`stderr` chunks as the code writes
+/// them, `display` for figures, and a final `result` with the `/exec` response. A client
+/// that disconnects stops the exec; the session stays usable.
+async fn exec_stream(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<ExecBody>,
+) -> AppResult<Response> {
+    let ndjson = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
+    let (choice, input) = body.into_parts(&caller)?;
+    let broker = state.broker.clone();
+    let session = broker.choose_session(&choice, &input.files).await?;
+    let workspace = session.workspace.clone();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let hooks = ExecHooks {
+        events: Some(tx),
+        tools: None,
+        cancel: Some(cancel.clone()),
+    };
+    let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
+
+    struct State {
+        rx: mpsc::UnboundedReceiver<WorkerMessage>,
+        task: Option<tokio::task::JoinHandle<AppResult<ExecOutput>>>,
+        workspace: crate::workspace::Workspace,
+        /// Dropped with the body: a client that goes away cancels the exec.
+        _cancel_on_drop: tokio_util::sync::DropGuard,
+    }
+    let state = State {
+        rx,
+        task: Some(task),
+        workspace,
+        _cancel_on_drop: cancel.drop_guard(),
+    };
+    let stream = futures::stream::unfold(state, move |mut st| async move {
+        if let Some(msg) = st.rx.recv().await {
+            let event = match msg {
+                WorkerMessage::Output(chunk) => {
+                    let name = match chunk.stream {
+                        Stream::Stdout => "stdout",
+                        Stream::Stderr => "stderr",
+                    };
+                    stream_event(name, Value::String(chunk.data), ndjson)
+                }
+                WorkerMessage::Display(display) => {
+                    let ws = st.workspace.clone();
+                    let data = tokio::task::spawn_blocking(move || display_json(&ws, display))
+                        .await
+                        .unwrap_or(Value::Null);
+                    stream_event("display", data, ndjson)
+                }
+                _ => stream_event("ignored", Value::Null, ndjson),
+            };
+            return Some((event, st));
+        }
+        let task = st.task.take()?;
+        let (name, data) = match task.await {
+            Ok(Ok(output)) => ("result", output_json(&output)),
+            Ok(Err(err)) => ("error", err.body()),
+            Err(e) => (
+                "error",
+                AppError::internal(format!("exec task failed: {e}")).body(),
+            ),
+        };
+        Some((stream_event(name, data, ndjson), st))
+    });
+    let content_type = if ndjson {
+        "application/x-ndjson"
+    } else {
+        "text/event-stream"
+    };
+    Ok((
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response())
 }

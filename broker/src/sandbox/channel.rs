@@ -8,7 +8,7 @@
 use bytes::BytesMut;
 use futures::{Stream, StreamExt};
 use sandbox_runner::{
-    CoordinatorMessage, JobId, Multiplexed, OutputChunk, Request, WorkerMessage, MAX_FRAME_BYTES,
+    CoordinatorMessage, JobId, Multiplexed, Request, WorkerMessage, MAX_FRAME_BYTES,
 };
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -93,12 +93,12 @@ impl RunnerChannel {
     pub async fn request<R>(
         &self,
         request: R,
-        on_output: impl FnMut(OutputChunk),
+        on_event: impl FnMut(WorkerMessage),
     ) -> Result<WorkerMessage, ChannelError>
     where
         R: Request,
     {
-        self.request_as(self.new_job(), request, on_output).await
+        self.request_as(self.new_job(), request, on_event).await
     }
 
     /// A fresh job id, for a caller that must know it before the request goes out (to
@@ -108,12 +108,12 @@ impl RunnerChannel {
     }
 
     /// Sends a request as job `job` and waits for the message that ends the job. Output
-    /// chunks on the way are handed to `on_output`.
+    /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`.
     pub async fn request_as<R>(
         &self,
         job: JobId,
         request: R,
-        mut on_output: impl FnMut(OutputChunk),
+        mut on_event: impl FnMut(WorkerMessage),
     ) -> Result<WorkerMessage, ChannelError>
     where
         R: Request,
@@ -129,7 +129,7 @@ impl RunnerChannel {
         loop {
             tokio::select! {
                 msg = rx.recv() => match msg {
-                    Some(WorkerMessage::Output(chunk)) => on_output(chunk),
+                    Some(msg @ (WorkerMessage::Output(_) | WorkerMessage::ToolCall(_) | WorkerMessage::Display(_))) => on_event(msg),
                     Some(WorkerMessage::Error(err)) => return Err(ChannelError::Refused(err.message)),
                     Some(other) => return Ok(other),
                     None => return Err(ChannelError::Closed(self.close_reason())),
@@ -138,7 +138,7 @@ impl RunnerChannel {
                     // Messages that arrived before the close still count.
                     while let Ok(msg) = rx.try_recv() {
                         match msg {
-                            WorkerMessage::Output(chunk) => on_output(chunk),
+                            msg @ (WorkerMessage::Output(_) | WorkerMessage::ToolCall(_) | WorkerMessage::Display(_)) => on_event(msg),
                             WorkerMessage::Error(err) => return Err(ChannelError::Refused(err.message)),
                             other => return Ok(other),
                         }
@@ -152,6 +152,15 @@ impl RunnerChannel {
     /// Asks the runner to stop the exec of `job`.
     pub async fn cancel(&self, job: JobId) -> Result<(), ChannelError> {
         self.send(job, CoordinatorMessage::Cancel).await
+    }
+
+    /// Answers a tool call of the exec of `job`.
+    pub async fn tool_result(
+        &self,
+        job: JobId,
+        result: sandbox_runner::ToolResult,
+    ) -> Result<(), ChannelError> {
+        self.send(job, CoordinatorMessage::ToolResult(result)).await
     }
 
     async fn send(&self, job: JobId, msg: CoordinatorMessage) -> Result<(), ChannelError> {

@@ -6,7 +6,7 @@ pub mod docker;
 pub use channel::{ChannelError, RunnerChannel};
 pub use docker::{DockerBackend, OwnContainer};
 
-use sandbox_runner::{ExecRequest, ExecResponse, JobId, OutputChunk, WorkerMessage};
+use sandbox_runner::{ExecRequest, ExecResponse, JobId, ToolResult, WorkerMessage};
 use std::time::Instant;
 
 /// Labels every container of ours carries; a restarted broker finds its containers by them.
@@ -58,12 +58,17 @@ impl Sandbox {
         &self,
         job: JobId,
         request: ExecRequest,
-        on_output: impl FnMut(OutputChunk),
+        on_event: impl FnMut(WorkerMessage),
     ) -> Result<ExecResponse, ChannelError> {
-        match self.channel.request_as(job, request, on_output).await? {
+        match self.channel.request_as(job, request, on_event).await? {
             WorkerMessage::ExecDone(done) => Ok(done),
             other => Err(ChannelError::Unexpected(format!("{other:?}"))),
         }
+    }
+
+    /// Answers a tool call of the exec of `job`.
+    pub async fn tool_result(&self, job: JobId, result: ToolResult) -> Result<(), ChannelError> {
+        self.channel.tool_result(job, result).await
     }
 
     /// Asks the runner to stop the exec of `job`.
