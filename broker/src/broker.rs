@@ -272,6 +272,7 @@ impl Broker {
             sandbox: Some(sandbox.clone()),
             job,
         };
+        let (mut streamed_out, mut streamed_err) = (String::new(), String::new());
         let run = sandbox.exec_as(job, request, |msg| match msg {
             WorkerMessage::ToolCall(call) => match &calls_tx {
                 Some(tx) if known.contains(&call.name) => {
@@ -287,6 +288,13 @@ impl Broker {
                 }
             },
             other => {
+                // Streamed output also goes into the final result.
+                if let WorkerMessage::Output(chunk) = &other {
+                    match chunk.stream {
+                        sandbox_runner::Stream::Stdout => streamed_out.push_str(&chunk.data),
+                        sandbox_runner::Stream::Stderr => streamed_err.push_str(&chunk.data),
+                    }
+                }
                 if let Some(tx) = &events {
                     let _ = tx.send(other);
                 }
@@ -318,8 +326,8 @@ impl Broker {
         let mut output = match outcome {
             Ok(Ok(done)) => ExecOutput {
                 session_id: session.id().to_string(),
-                stdout: done.stdout,
-                stderr: done.stderr,
+                stdout: done.stdout + &streamed_out,
+                stderr: streamed_err + &done.stderr,
                 files: Vec::new(),
                 runtime_status: done.runtime_status,
                 exit_code: done.exit_code,

@@ -67,9 +67,7 @@ pub async fn run(
     ));
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop_rx.clone()));
 
-    let app = http::router(http::AppState {
-        broker: broker.clone(),
-    });
+    let app = http::router(http::AppState::new(broker.clone()));
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)

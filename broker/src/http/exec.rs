@@ -277,6 +277,7 @@ async fn exec_stream(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let (choice, input) = body.into_parts(&caller)?;
+    state.broker.limits.check_exec(choice.user.as_deref())?;
     let broker = state.broker.clone();
     let session = broker.choose_session(&choice, &input.files).await?;
     let workspace = session.workspace.clone();

@@ -4,6 +4,7 @@
 pub mod exec;
 pub mod files;
 pub mod health;
+pub mod programmatic;
 
 use crate::auth::require_auth;
 use crate::broker::Broker;
@@ -19,12 +20,24 @@ use std::sync::Arc;
 pub struct AppState {
     /// The core.
     pub broker: Arc<Broker>,
+    /// Programmatic runs waiting for their clients' tool results.
+    pub runs: Arc<programmatic::Runs>,
+}
+
+impl AppState {
+    pub fn new(broker: Arc<Broker>) -> AppState {
+        AppState {
+            broker,
+            runs: Arc::default(),
+        }
+    }
 }
 
 /// Every route, at the root and under `/v1`.
 pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .merge(exec::router())
+        .merge(programmatic::router())
         .merge(files::router())
         .merge(health::protected_router())
         .route_layer(axum::middleware::from_fn_with_state(

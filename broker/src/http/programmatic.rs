@@ -1,0 +1,420 @@
+//! `POST /exec/programmatic`: code that calls tools the client runs (LibreChat's
+//! programmatic tool calling). The code runs until it calls tools; the calls made since
+//! the last answer go to the client as one batch with a continuation token; the client
+//! answers with their results and the same route continues the run.
+//!
+//! A waiting run holds no thread: it is a task blocked on a channel, kept here by token.
+
+use super::exec::{output_json, Args, ExecBody, FileRef};
+use super::{ApiJson, AppState};
+use crate::auth::Caller;
+use crate::broker::{ExecHooks, ExecOutput, ToolBridge};
+use crate::error::{AppError, AppResult};
+use crate::ids::new_id;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::post;
+use axum::{Json, Router};
+use dashmap::DashMap;
+use sandbox_runner::{ToolCall, ToolResult, ToolSpec};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// After a first tool call, how long to wait for more before answering: calls made in
+/// parallel (`asyncio.gather`) arrive within microseconds of each other.
+const BATCH_WINDOW: Duration = Duration::from_millis(2);
+
+/// Remembered used tokens, so a reused one is told apart (409) from an unknown one (404).
+const USED_TOKENS_KEPT: usize = 10_000;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/exec/programmatic", post(programmatic))
+        .route("/exec/programmatic/cancel", post(cancel))
+}
+
+/// The programmatic runs waiting for their clients.
+#[derive(Default)]
+pub struct Runs {
+    /// Runs by their current continuation token.
+    by_token: DashMap<String, Arc<Run>>,
+    /// Runs by the request id their first request named, for the cancel route.
+    by_request: DashMap<String, Arc<Run>>,
+    /// Tokens already used, with when, to answer a replay with 409.
+    used: DashMap<String, Instant>,
+}
+
+/// One programmatic run.
+struct Run {
+    /// The session it runs in.
+    session_id: String,
+    /// The request id its first request named.
+    request_id: Option<String>,
+    /// Tool calls the code made and the client has not seen yet.
+    calls: Mutex<Option<mpsc::UnboundedReceiver<ToolCall>>>,
+    /// Where the client's results go.
+    results: mpsc::UnboundedSender<ToolResult>,
+    /// Calls handed to the client and not answered yet.
+    pending: Mutex<HashSet<String>>,
+    /// The exec; taken when it has finished.
+    task: Mutex<Option<JoinHandle<AppResult<ExecOutput>>>>,
+    /// Stops the exec (cancel route, expired token).
+    cancel: CancellationToken,
+}
+
+/// A tool as the client describes it.
+#[derive(Debug, Deserialize)]
+struct ToolBody {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    parameters: Option<Value>,
+}
+
+/// A tool result as the client sends it.
+#[derive(Debug, Deserialize)]
+struct ToolResultBody {
+    call_id: String,
+    #[serde(default)]
+    result: Value,
+    #[serde(default)]
+    is_error: bool,
+    #[serde(default)]
+    error_message: Option<String>,
+}
+
+/// Both shapes of the request: a first request, or a continuation.
+#[derive(Debug, Deserialize)]
+struct ProgrammaticBody {
+    code: Option<String>,
+    #[serde(default)]
+    tools: Vec<ToolBody>,
+    session_id: Option<String>,
+    entity_id: Option<String>,
+    user_id: Option<String>,
+    timeout: Option<f64>,
+    files: Option<Vec<FileRef>>,
+    lang: Option<String>,
+    args: Option<Args>,
+    continuation_token: Option<String>,
+    tool_results: Option<Vec<ToolResultBody>>,
+}
+
+async fn programmatic(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<ProgrammaticBody>,
+) -> AppResult<Json<Value>> {
+    let run = match body.continuation_token.clone() {
+        Some(token) => continue_run(&state, token, body.tool_results.unwrap_or_default())?,
+        None => start_run(&state, &caller, &headers, body).await?,
+    };
+    advance(&state, run).await.map(Json)
+}
+
+/// Starts the code of a first request.
+async fn start_run(
+    state: &AppState,
+    caller: &Caller,
+    headers: &HeaderMap,
+    body: ProgrammaticBody,
+) -> AppResult<Arc<Run>> {
+    let code = body.code.filter(|c| !c.trim().is_empty()).ok_or_else(|| {
+        AppError::Unprocessable(
+            "send `code` (a first request) or `continuation_token` (a continuation)".into(),
+        )
+    })?;
+    let mut names = HashSet::new();
+    let mut specs = Vec::new();
+    for tool in body.tools {
+        if tool.name.trim().is_empty() || !names.insert(tool.name.clone()) {
+            return Err(AppError::Unprocessable(format!(
+                "tool names must be non-empty and distinct: {:?}",
+                tool.name
+            )));
+        }
+        specs.push(ToolSpec {
+            name: tool.name,
+            description: tool.description.unwrap_or_default(),
+            parameters: tool.parameters.unwrap_or_else(|| json!({"type": "object"})),
+        });
+    }
+    let exec_body = ExecBody {
+        lang: body.lang.unwrap_or_else(|| "py".into()),
+        code,
+        args: body.args,
+        session_id: body.session_id,
+        entity_id: body.entity_id,
+        user_id: body.user_id,
+        runtime_session_hint: None,
+        // LibreChat's default for this tool is 60 s.
+        timeout: Some(body.timeout.unwrap_or(60_000.0)),
+        files: body.files,
+    };
+    let (choice, input) = exec_body.into_parts(caller)?;
+    state.broker.limits.check_exec(choice.user.as_deref())?;
+    let session = state.broker.choose_session(&choice, &input.files).await?;
+    let request_id = ["x-librechat-code-request-id", "x-codeapi-request-id"]
+        .iter()
+        .find_map(|h| headers.get(*h)?.to_str().ok())
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
+
+    let (calls_tx, calls_rx) = mpsc::unbounded_channel();
+    let (results_tx, results_rx) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let hooks = ExecHooks {
+        events: None,
+        tools: Some(ToolBridge {
+            specs,
+            calls: calls_tx,
+            results: results_rx,
+        }),
+        cancel: Some(cancel.clone()),
+    };
+    let broker = state.broker.clone();
+    let session_id = session.id().to_string();
+    let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
+    let run = Arc::new(Run {
+        session_id,
+        request_id: request_id.clone(),
+        calls: Mutex::new(Some(calls_rx)),
+        results: results_tx,
+        pending: Mutex::new(HashSet::new()),
+        task: Mutex::new(Some(task)),
+        cancel,
+    });
+    if let Some(id) = request_id {
+        state.runs.by_request.insert(id, run.clone());
+    }
+    Ok(run)
+}
+
+/// Hands the client's results to the waiting run named by `token` (single use).
+fn continue_run(
+    state: &AppState,
+    token: String,
+    results: Vec<ToolResultBody>,
+) -> AppResult<Arc<Run>> {
+    let Some((_, run)) = state.runs.by_token.remove(&token) else {
+        if state.runs.used.contains_key(&token) {
+            return Err(AppError::Conflict(
+                "this continuation token was already used".into(),
+            ));
+        }
+        return Err(AppError::NotFound(
+            "unknown or expired continuation token".into(),
+        ));
+    };
+    remember_used(&state.runs, token);
+    let mut pending = lock(&run.pending);
+    for r in results {
+        if !pending.remove(&r.call_id) {
+            tracing::debug!(call_id = %r.call_id, "result for a call that is not pending");
+            continue;
+        }
+        let _ = run.results.send(ToolResult {
+            call_id: r.call_id,
+            result: r.result,
+            is_error: r.is_error,
+            error_message: r.error_message,
+        });
+    }
+    // A call the client left unanswered would wait forever: answer it with an error.
+    for call_id in pending.drain() {
+        let _ = run.results.send(ToolResult {
+            call_id,
+            result: Value::Null,
+            is_error: true,
+            error_message: Some("No result was given for this tool call".into()),
+        });
+    }
+    drop(pending);
+    Ok(run)
+}
+
+fn remember_used(runs: &Runs, token: String) {
+    if runs.used.len() >= USED_TOKENS_KEPT {
+        // Forget the oldest half; a very old replay then reads as unknown (404).
+        let mut ages: Vec<(String, Instant)> = runs
+            .used
+            .iter()
+            .map(|e| (e.key().clone(), *e.value()))
+            .collect();
+        ages.sort_by_key(|(_, t)| *t);
+        for (t, _) in ages.into_iter().take(USED_TOKENS_KEPT / 2) {
+            runs.used.remove(&t);
+        }
+    }
+    runs.used.insert(token, Instant::now());
+}
+
+/// Runs until the code calls tools (answering with the batch and a new token) or ends.
+async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
+    let mut calls = lock(&run.calls)
+        .take()
+        .ok_or_else(|| AppError::Conflict("this run is already being continued".into()))?;
+    let mut task = lock(&run.task)
+        .take()
+        .ok_or_else(|| AppError::Conflict("this run has ended".into()))?;
+    let outcome = tokio::select! {
+        Some(first) = calls.recv() => {
+            let mut batch = vec![first];
+            while let Ok(Some(more)) = tokio::time::timeout(BATCH_WINDOW, calls.recv()).await {
+                batch.push(more);
+            }
+            Ok(batch)
+        }
+        joined = &mut task => Err(joined),
+    };
+    match outcome {
+        Ok(batch) => {
+            *lock(&run.calls) = Some(calls);
+            *lock(&run.task) = Some(task);
+            lock(&run.pending).extend(batch.iter().map(|c| c.call_id.clone()));
+            let token = new_id();
+            state.runs.by_token.insert(token.clone(), run.clone());
+            expire_token_later(state, token.clone(), run.clone());
+            let tool_calls: Vec<Value> = batch
+                .into_iter()
+                .map(|c| json!({ "id": c.call_id, "name": c.name, "input": c.input }))
+                .collect();
+            Ok(json!({
+                "status": "tool_call_required",
+                "session_id": run.session_id,
+                "continuation_token": token,
+                "tool_calls": tool_calls,
+            }))
+        }
+        Err(joined) => {
+            forget(state, &run);
+            let output =
+                joined.map_err(|e| AppError::internal(format!("run task failed: {e}")))??;
+            Ok(final_json(&output))
+        }
+    }
+}
+
+/// Stops a run whose client did not come back within the token TTL.
+fn expire_token_later(state: &AppState, token: String, run: Arc<Run>) {
+    let ttl = Duration::from_secs(state.broker.config.continuation_ttl_secs.max(1));
+    let runs = state.runs.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(ttl).await;
+        if runs.by_token.remove(&token).is_some() {
+            tracing::info!(session = %run.session_id, "continuation token expired; stopping the run");
+            run.cancel.cancel();
+            if let Some(id) = &run.request_id {
+                runs.by_request.remove(id);
+            }
+        }
+    });
+}
+
+fn forget(state: &AppState, run: &Run) {
+    if let Some(id) = &run.request_id {
+        state.runs.by_request.remove(id);
+    }
+}
+
+/// `completed`, or `error` with LibreChat's words for what went wrong.
+fn final_json(output: &ExecOutput) -> Value {
+    let error = if let Some(limit) = output.limits.first() {
+        Some(limit.message().to_string())
+    } else {
+        match output.exit_code {
+            Some(0) => None,
+            Some(code) => Some(format!("Sandbox exited with code {code}")),
+            None => Some("Execution failed or timed out".to_string()),
+        }
+    };
+    let mut body = output_json(output);
+    match error {
+        None => body["status"] = json!("completed"),
+        Some(error) => {
+            body["status"] = json!("error");
+            body["error"] = json!(error);
+        }
+    }
+    body
+}
+
+#[derive(Debug, Deserialize)]
+struct CancelBody {
+    request_id: String,
+}
+
+/// `POST /exec/programmatic/cancel {"request_id"}`: stops the run its first request named.
+async fn cancel(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<CancelBody>,
+) -> AppResult<Json<Value>> {
+    let (_, run) = state
+        .runs
+        .by_request
+        .remove(&body.request_id)
+        .ok_or_else(|| AppError::NotFound(format!("no run with request id {}", body.request_id)))?;
+    run.cancel.cancel();
+    // Answer the calls it is waiting on, so it can stop at once.
+    for call_id in lock(&run.pending).drain() {
+        let _ = run.results.send(ToolResult {
+            call_id,
+            result: Value::Null,
+            is_error: true,
+            error_message: Some("The run was cancelled".into()),
+        });
+    }
+    Ok(Json(json!({
+        "message": "cancelled",
+        "request_id": body.request_id,
+        "session_id": run.session_id,
+    })))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandbox_runner::{Limit, RuntimeStatus};
+
+    fn output(exit_code: Option<i32>, limits: Vec<Limit>) -> ExecOutput {
+        ExecOutput {
+            session_id: "s".into(),
+            stdout: "out".into(),
+            stderr: "err".into(),
+            files: vec![],
+            runtime_status: RuntimeStatus::New,
+            exit_code,
+            duration_ms: 1,
+            limits,
+        }
+    }
+
+    #[test]
+    fn final_status_uses_librechat_words() {
+        assert_eq!(final_json(&output(Some(0), vec![]))["status"], "completed");
+        let e = final_json(&output(Some(2), vec![]));
+        assert_eq!(
+            (e["status"].as_str(), e["error"].as_str()),
+            (Some("error"), Some("Sandbox exited with code 2"))
+        );
+        let t = final_json(&output(None, vec![Limit::Time]));
+        assert_eq!(t["error"], "Time limit exceeded");
+        let m = final_json(&output(None, vec![Limit::Memory]));
+        assert_eq!(m["error"], "Out of memory");
+        let x = final_json(&output(None, vec![]));
+        assert_eq!(x["error"], "Execution failed or timed out");
+        assert_eq!(x["stderr"], "err");
+    }
+}
