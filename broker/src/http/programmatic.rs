@@ -265,6 +265,9 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
     let mut task = lock(&run.task)
         .take()
         .ok_or_else(|| AppError::Conflict("this run has ended".into()))?;
+    // A client that goes away while its run waits here stops the run: nobody could
+    // continue it.
+    let stop_if_dropped = run.cancel.clone().drop_guard();
     let outcome = tokio::select! {
         Some(first) = calls.recv() => {
             let mut batch = vec![first];
@@ -275,6 +278,7 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
         }
         joined = &mut task => Err(joined),
     };
+    stop_if_dropped.disarm();
     match outcome {
         Ok(batch) => {
             *lock(&run.calls) = Some(calls);
