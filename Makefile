@@ -7,7 +7,7 @@
 IMAGE ?= codebroker-sandbox:latest
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint
+.PHONY: image run test unit-test e2e-test bench lint librechat-test
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -19,6 +19,12 @@ test: image
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p sandbox-runner --tests
 	$(CARGO) test -p codebroker --tests -- --test-threads=4
+	$(MAKE) --no-print-directory librechat-test
+
+# The real LibreChat client (@librechat/agents, three generations) and LibreChat's file
+# flows against the debug broker binary; ends with node's test summary.
+librechat-test:
+	$(CARGO) build -p codebroker && cd tests/librechat && npm ci --no-audit --no-fund && npm test
 
 bench: image
 	$(CARGO) bench -p codebroker --bench exec
