@@ -338,3 +338,48 @@ async fn expired_files_answer_404_and_free_their_space() {
         "the expired file's space is freed"
     );
 }
+
+#[tokio::test]
+async fn a_ref_placed_under_another_name_is_still_an_input() {
+    let broker = TestBroker::start("refname").await;
+    let form = Form::new()
+        .part("file", file_part("SKILL.md", b"# demo"))
+        .text("kind", "skill")
+        .text("id", "skill_1")
+        .text("version", "3");
+    let (_, up) = upload(&broker, "/upload", form).await;
+    let (status, resp) = broker
+        .exec(json!({
+            "lang": "bash",
+            "code": "cat skills/demo/SKILL.md > out.txt",
+            "files": [{ "id": up["files"][0]["fileId"], "storage_session_id": up["storage_session_id"],
+                        "name": "skills/demo/SKILL.md", "kind": "skill", "version": 3 }],
+        }))
+        .await;
+    assert_eq!(status, 200);
+    let names: Vec<&str> = resp["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    assert_eq!(names, ["out.txt"], "{resp}");
+}
+
+#[tokio::test]
+async fn a_runtime_session_hint_is_the_clients_own_key() {
+    let broker = TestBroker::start("hint").await;
+    let body = |code: &str, user: &str| json!({ "lang": "py", "code": code, "user_id": user, "runtime_session_hint": "conv-123" });
+    let (_, first) = broker.exec(body("counter = 41", "u1")).await;
+    let (_, second) = broker.exec(body("print(counter + 1)", "u1")).await;
+    assert_eq!(stdout(&second).trim(), "42", "{second}");
+    assert_eq!(session(&first), session(&second));
+    let (_, other) = broker
+        .exec(body("print('counter' in globals())", "u2"))
+        .await;
+    assert_eq!(
+        stdout(&other).trim(),
+        "False",
+        "another user's hint is another session"
+    );
+}

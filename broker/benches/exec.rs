@@ -204,7 +204,86 @@ async fn main() {
             .await;
         warm_bash.push(started.elapsed());
     }
+    // Streaming: from the code's print to the first SSE byte at the client (same clock:
+    // the container shares the host's).
+    let mut first_byte = Vec::new();
+    for _ in 0..50 * scale {
+        let resp = bench
+            .client
+            .post(format!("{}/exec/stream", bench.base))
+            .json(&json!({"lang": "py", "session_id": session,
+                          "code": "import time\nprint(repr(time.time()), flush=True)\ntime.sleep(0.05)"}))
+            .send()
+            .await
+            .expect("stream");
+        let mut body = resp.bytes_stream();
+        let mut buf = String::new();
+        while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_secs_f64();
+            buf.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+            if let Some(line) = buf.lines().find_map(|l| l.strip_prefix("data: ")) {
+                if let Ok(printed) = line.trim().parse::<f64>() {
+                    first_byte.push(Duration::from_secs_f64((now - printed).max(0.0)));
+                    break;
+                }
+            }
+        }
+        while futures::StreamExt::next(&mut body).await.is_some() {}
+    }
+
+    // One tool-call round trip through /exec/programmatic: from sending a result to
+    // receiving the next call (the client's own work is nothing here).
+    let mut round_trips = Vec::new();
+    let tools = json!([{"name": "add", "description": "adds",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}]);
+    let resp: Value = bench
+        .client
+        .post(format!("{}/exec/programmatic", bench.base))
+        .json(&json!({"session_id": session, "tools": tools, "timeout": 120000,
+                      "code": format!("t = 0\nfor i in range({}):\n    t = await add(a=t, b=1)\nprint(t)", 200 * scale + 1)}))
+        .send()
+        .await
+        .expect("ptc")
+        .json()
+        .await
+        .expect("json");
+    let mut resp = resp;
+    while resp["status"] == "tool_call_required" {
+        let call = &resp["tool_calls"][0];
+        let a = call["input"]["a"].as_f64().unwrap_or(0.0);
+        let body = json!({"continuation_token": resp["continuation_token"],
+            "tool_results": [{"call_id": call["id"], "result": a + 1.0, "is_error": false}]});
+        let started = Instant::now();
+        resp = bench
+            .client
+            .post(format!("{}/exec/programmatic", bench.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("ptc")
+            .json()
+            .await
+            .expect("json");
+        if resp["status"] == "tool_call_required" {
+            round_trips.push(started.elapsed());
+        }
+    }
+    assert_eq!(resp["status"], "completed", "{resp}");
+
     bench.stop().await;
+    rows.push(Row {
+        name: "print -> first SSE byte".into(),
+        samples: first_byte,
+        baseline: None,
+    });
+    rows.push(Row {
+        name: "tool-call round trip, programmatic".into(),
+        samples: round_trips,
+        baseline: None,
+    });
     rows.push(Row {
         name: "warm print(1), /exec".into(),
         samples: warm,

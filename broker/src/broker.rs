@@ -142,7 +142,20 @@ impl Broker {
             if let Some(s) = visible(id) {
                 return Ok(s);
             }
-        } else if let Some(s) = choice.runtime_session_hint.as_deref().and_then(visible) {
+        } else if let Some(s) = choice
+            .runtime_session_hint
+            .as_deref()
+            .filter(|h| !h.is_empty())
+            .and_then(|h| {
+                // A hint is the client's own key (a conversation id); it may also be one
+                // of our session ids.
+                visible(h).or_else(|| {
+                    self.registry
+                        .by_hint(user, h)
+                        .filter(|s| s.visible_to(user))
+                })
+            })
+        {
             return Ok(s);
         } else if let Some(s) = self.session_of_refs(user, files)? {
             return Ok(s);
@@ -155,7 +168,11 @@ impl Broker {
         {
             return Ok(s);
         }
-        self.new_session(user, choice.entity_id.as_deref(), true)
+        let hint = choice
+            .runtime_session_hint
+            .as_deref()
+            .filter(|h| !h.is_empty() && !is_valid_id(h));
+        self.new_session_with(user, choice.entity_id.as_deref(), hint, true)
             .await
     }
 
@@ -188,6 +205,17 @@ impl Broker {
         entity_id: Option<&str>,
         for_exec: bool,
     ) -> AppResult<Arc<Session>> {
+        self.new_session_with(user, entity_id, None, for_exec).await
+    }
+
+    /// [`Broker::new_session`], also remembering the client's `runtime_session_hint`.
+    pub async fn new_session_with(
+        &self,
+        user: Option<&str>,
+        entity_id: Option<&str>,
+        hint: Option<&str>,
+        for_exec: bool,
+    ) -> AppResult<Arc<Session>> {
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
             .then(|| self.limits.container_slot(&self.registry, user))
@@ -207,6 +235,7 @@ impl Broker {
             id,
             user: user.map(str::to_string),
             entity_id: entity_id.filter(|e| !e.is_empty()).map(str::to_string),
+            runtime_hint: hint.map(str::to_string),
             created_ms: now_ms(),
         };
         let session = self

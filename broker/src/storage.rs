@@ -177,7 +177,9 @@ impl Broker {
             .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
             match result {
                 Ok(stamp) => placed.push(FileRecord {
-                    id: if Arc::ptr_eq(&source, session) {
+                    // Restoring a version of this session at its own name keeps its id;
+                    // any other placement is a new file of this session.
+                    id: if Arc::ptr_eq(&source, session) && record.name == target_name {
                         record.id.clone()
                     } else {
                         new_id()

@@ -24,6 +24,10 @@ pub struct SessionMeta {
     pub user: Option<String>,
     /// The `entity_id` it was created for, so later calls with that entity find it.
     pub entity_id: Option<String>,
+    /// The `runtime_session_hint` it was created for (an opaque key of the client, such
+    /// as a conversation id), so later calls with that hint find it.
+    #[serde(default)]
+    pub runtime_hint: Option<String>,
     /// Milliseconds since the epoch at creation.
     pub created_ms: u64,
 }

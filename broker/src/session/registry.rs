@@ -70,15 +70,28 @@ impl Registry {
         self.get(&id)
     }
 
+    /// The session made for `runtime_session_hint` `hint` by `user`.
+    pub fn by_hint(&self, user: Option<&str>, hint: &str) -> Option<Arc<Session>> {
+        self.by_entity(user, &hint_key(hint))
+    }
+
+    /// Registers the affinity keys (entity, hint) of a session.
+    fn index_keys(&self, meta: &SessionMeta) {
+        let user = meta.user.clone().unwrap_or_default();
+        if let Some(entity) = &meta.entity_id {
+            self.entities
+                .insert((user.clone(), entity.clone()), meta.id.clone());
+        }
+        if let Some(hint) = &meta.runtime_hint {
+            self.entities
+                .insert((user, hint_key(hint)), meta.id.clone());
+        }
+    }
+
     /// Registers a new session whose workspace exists already, and persists its metadata.
     pub fn insert_new(&self, meta: SessionMeta, workspace: Workspace) -> io::Result<Arc<Session>> {
         workspace.save_meta(META_FILE, &meta)?;
-        if let Some(entity) = &meta.entity_id {
-            self.entities.insert(
-                (meta.user.clone().unwrap_or_default(), entity.clone()),
-                meta.id.clone(),
-            );
-        }
+        self.index_keys(&meta);
         let session = Arc::new(Session::new(meta, workspace, Default::default()));
         self.sessions
             .insert(session.id().to_string(), session.clone());
@@ -88,12 +101,14 @@ impl Registry {
     /// Forgets a session (its workspace is the caller's to remove).
     pub fn remove(&self, id: &str) {
         if let Some((_, session)) = self.sessions.remove(id) {
-            if let Some(entity) = &session.meta.entity_id {
-                let key = (
-                    session.meta.user.clone().unwrap_or_default(),
-                    entity.clone(),
-                );
-                self.entities.remove_if(&key, |_, v| v == id);
+            let user = session.meta.user.clone().unwrap_or_default();
+            let keys = [
+                session.meta.entity_id.clone(),
+                session.meta.runtime_hint.as_deref().map(hint_key),
+            ];
+            for key in keys.into_iter().flatten() {
+                self.entities
+                    .remove_if(&(user.clone(), key), |_, v| v == id);
             }
         }
     }
@@ -112,20 +127,17 @@ impl Registry {
                 continue;
             };
             if let Some(session) = self.get(&id) {
-                if let Some(entity) = &session.meta.entity_id {
-                    self.entities.insert(
-                        (
-                            session.meta.user.clone().unwrap_or_default(),
-                            entity.clone(),
-                        ),
-                        id,
-                    );
-                }
+                self.index_keys(&session.meta);
                 n += 1;
             }
         }
         Ok(n)
     }
+}
+
+/// Hints live in the entity map under a prefix no entity id carries.
+fn hint_key(hint: &str) -> String {
+    format!("\u{1}hint:{hint}")
 }
 
 fn load(data_dir: &Path, id: &str) -> io::Result<Session> {
@@ -157,6 +169,7 @@ mod tests {
             id: id.clone(),
             user: Some("u1".into()),
             entity_id: Some("agent".into()),
+            runtime_hint: Some("conv-1".into()),
             created_ms: 1,
         };
         registry.insert_new(meta, ws).unwrap();
@@ -166,6 +179,8 @@ mod tests {
         let again = Registry::new(tmp.path());
         assert_eq!(again.load_all().unwrap(), 1);
         let session = again.by_entity(Some("u1"), "agent").unwrap();
+        assert_eq!(again.by_hint(Some("u1"), "conv-1").unwrap().id(), id);
+        assert!(again.by_hint(Some("u2"), "conv-1").is_none());
         assert_eq!(session.id(), id);
         assert!(again.get("not-an-id").is_none());
         assert!(again.get(&new_id()).is_none());
