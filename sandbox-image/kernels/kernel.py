@@ -4,7 +4,8 @@ The runner starts `python3 /opt/codebroker/kernel.py` with requests on fd 3 and 
 fd 4, one JSON object per line (sandbox-image/README.md, "The kernel protocol"):
 
     fd 4  <- {"event": "ready"}
-    fd 3  -> {"id": N, "code": "...", "args": ["a", "b"]}
+    fd 3  -> {"id": N, "code": "...", "args": ["a", "b"]}        (+ "tools", "tool_socket")
+    fd 4  <- {"event": "display", "id": N, "mime": "image/png", "name": "plot-1.png"}  (0 or more)
     fd 4  <- {"event": "done", "id": N, "exit_code": C}
 
 C is 0 when the code finished, 1 for an uncaught exception (traceback on stderr, without
@@ -13,7 +14,13 @@ the code, which ends the exec like any exception; SIGINT between execs is ignore
 
 Code runs like a notebook cell: globals persist in one `__main__` namespace, a trailing
 expression's repr is printed, top-level `await` works (on one event loop kept across execs),
-`plt.show()` saves the open figures as plot-<n>.png in the workspace and closes them.
+`plt.show()` saves the open figures as plot-<n>.png in the workspace and closes them (and
+reports each as a `display` event).
+
+A request with `tools` (a list of {"name", "description", "parameters"}) and `tool_socket` (the
+exec's tool socket) gets one `async def` per tool in the cell's globals, with a signature made
+from the tool's JSON Schema, and `ToolError`; they are removed again before the next cell
+(see "Tools" below).
 
 Between cells the kernel cleans up after the one before: whatever the cell wrote is flushed
 to fds 1 and 2 (repaired if the cell closed or replaced them) before `done`, and exited
@@ -50,6 +57,8 @@ PyCF_ALLOW_TOP_LEVEL_AWAIT = 0x2000  # ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
 
 KERNEL_FILE = (lambda: None).__code__.co_filename  # as it appears in tracebacks
 CELL_PREFIX = "<cell-"
+TOOL_PREFIX = "<codebroker-tool "  # file names of the generated tool functions
+TOOL_SOCKET_ENV = "CODEBROKER_TOOL_SOCKET"
 KERNEL_PID = os.getpid()
 
 
@@ -343,6 +352,9 @@ def _new_plot_file():
         return path, os.fdopen(fd, "wb")
 
 
+DISPLAY = [None]  # the kernel's display(mime, name) once it runs, for plt.show()
+
+
 def patch_pyplot(plt):
     if getattr(plt.show, "_codebroker", False):
         return
@@ -364,6 +376,8 @@ def patch_pyplot(plt):
                 raise
             finally:
                 plt.close(fig)
+            if DISPLAY[0] is not None:
+                DISPLAY[0]("image/png", os.path.basename(path))
 
     show._codebroker = True
     show.__wrapped__ = original
@@ -507,6 +521,215 @@ def _reap_on_sigchld(signum, frame):
 
 
 # --------------------------------------------------------------------------------------------
+# Tools: functions that call the broker's tools over the exec's tool socket
+# --------------------------------------------------------------------------------------------
+#
+# For each tool of a request the cell's globals get `async def NAME(*, param, ...)`: keyword-only
+# parameters from the JSON Schema's `properties` (those in `required` have no default, the
+# others default to None and are left out of the input when None), `**kwargs` when the schema
+# allows more properties (or lists none), the description (and the properties' descriptions)
+# as docstring. Calling it sends {"name": ..., "input": {...}} over a new connection to the
+# socket and returns the answer's `result`, or raises ToolError with its `error_message`; so
+# `await asyncio.gather(a(), b())` makes two calls at once.
+#
+# Names: characters that cannot be in an identifier become `_` (a leading digit gets `_` in
+# front); a function name that is a keyword or a builtin (or ToolError) gets `_tool` appended,
+# a parameter name that is a keyword gets `_` appended; duplicates get `_2`, `_3`, ...
+#
+# Before the next cell the functions and ToolError are removed from the globals again, unless
+# the code bound the name to something else meanwhile.
+
+
+class ToolError(RuntimeError):
+    """A tool call failed: the tool reported an error, or the tool socket could not be used."""
+
+    def __init__(self, message, tool=None):
+        super().__init__(message)
+        self.tool = tool
+
+
+_JSON_TYPES = {
+    "string": "str",
+    "integer": "int",
+    "number": "float",
+    "boolean": "bool",
+    "array": "list",
+    "object": "dict",
+    "null": "None",
+}
+
+
+def _identifier(name):
+    """name with every character that cannot be in an identifier replaced by `_`."""
+    if not isinstance(name, str):
+        name = str(name)
+    if not name.isascii():
+        import unicodedata
+
+        name = unicodedata.normalize("NFKC", name)  # as the parser would see it
+    s = "".join(c if ("_" + c).isidentifier() else "_" for c in name)
+    if not s.isidentifier():
+        s = "_" + s  # empty, or starts with a digit
+    return s if s.isidentifier() else "_"
+
+
+def _unique(name, taken):
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate = "%s_%d" % (name, n)
+        n += 1
+    taken.add(candidate)
+    return candidate
+
+
+def tool_function_names(names):
+    """The Python function names of tools called `names`, in order."""
+    import builtins
+    import keyword
+
+    taken = set()
+    out = []
+    for name in names:
+        ident = _identifier(name)
+        if keyword.iskeyword(ident) or hasattr(builtins, ident) or ident == "ToolError":
+            ident += "_tool"
+        out.append(_unique(ident, taken))
+    return out
+
+
+def _json_default(value):
+    """JSON for the values numpy, pandas and datetime hand out."""
+    for attr in ("tolist", "isoformat"):
+        method = getattr(value, attr, None)
+        if callable(method):
+            return method()
+    if isinstance(value, (set, frozenset)):
+        return list(value)
+    raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
+
+
+async def call_tool(socket_path, name, payload):
+    """One call over the tool socket: the result, or ToolError."""
+    import asyncio
+    import json
+
+    if not socket_path:
+        raise ToolError("Tool %r is not available: this exec has no tool socket" % name, name)
+    line = json.dumps({"name": name, "input": payload}, default=_json_default).encode() + b"\n"
+    try:
+        reader, writer = await asyncio.open_unix_connection(socket_path)
+    except OSError as e:
+        raise ToolError(
+            "Tool %r is not available (tools only work during the exec that has them): %s"
+            % (name, e.strerror or e), name
+        ) from None
+    try:
+        writer.write(line)
+        await writer.drain()
+        data = await reader.read()
+    except OSError as e:
+        raise ToolError("Tool %r: the call failed: %s" % (name, e.strerror or e), name) from None
+    finally:
+        writer.close()
+    try:
+        answer = json.loads(data) if data else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise ToolError("Tool %r: no answer (is the exec over?)" % name, name)
+    if answer.get("is_error"):
+        raise ToolError(answer.get("error_message") or "Tool %r failed" % name, name)
+    return answer.get("result")
+
+
+def _annotation(schema):
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return _JSON_TYPES.get(kind) if isinstance(kind, str) else None
+
+
+def make_tool_function(func_name, tool, socket_path):
+    """The async function for one tool spec; see the comment above."""
+    import keyword
+
+    name = tool["name"]
+    description = tool.get("description")
+    description = description if isinstance(description, str) else ""
+    schema = tool.get("parameters")
+    schema = schema if isinstance(schema, dict) else {}
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = schema.get("required")
+    required = set(r for r in required if isinstance(r, str)) if isinstance(required, list) else set()
+    extra = schema.get("additionalProperties")  # absent: allowed, but not offered unless no props
+    variadic = extra is not False if not props else (extra is True or isinstance(extra, dict))
+
+    taken = set()
+    params, req_items, opt_items, docs = [], [], [], []
+    for prop, sub in props.items():
+        ident = _identifier(prop)
+        if keyword.iskeyword(ident):
+            ident += "_"
+        if ident.startswith("_codebroker"):
+            ident += "_"
+        ident = _unique(ident, taken)
+        ann = _annotation(sub)
+        if prop in required:
+            params.append("%s: %s" % (ident, ann) if ann else ident)
+            req_items.append("%r: %s" % (prop, ident))
+        else:
+            if ann and ann != "None" and sys.version_info >= (3, 10):
+                params.append("%s: %s | None = None" % (ident, ann))
+            else:
+                params.append("%s=None" % ident)
+            opt_items.append("%r: %s" % (prop, ident))
+        text = sub.get("description") if isinstance(sub, dict) else None
+        kind = (ann or "any") + ("" if prop in required else ", optional")
+        text = " ".join(text.split()) if isinstance(text, str) else ""
+        docs.append("    %s (%s)%s" % (ident, kind, ": " + text if text else ""))
+    kwargs = _unique("kwargs", taken)
+    signature = (["*"] + params if params else []) + (["**" + kwargs] if variadic else [])
+    source = (
+        "def _codebroker_make(_codebroker_call):\n"
+        "    async def %s(%s):\n"
+        "        return await _codebroker_call({%s}, {%s}, %s)\n"
+        "    return %s\n"
+        % (func_name, ", ".join(signature), ", ".join(req_items), ", ".join(opt_items),
+           kwargs if variadic else "None", func_name)
+    )
+
+    async def call(required_input, optional_input, extra_input):
+        payload = dict(extra_input or ())
+        payload.update(required_input)
+        payload.update((k, v) for k, v in optional_input.items() if v is not None)
+        return await call_tool(socket_path, name, payload)
+
+    filename = "%s%s>" % (TOOL_PREFIX, func_name)
+    namespace = {"__builtins__": __builtins__}
+    try:
+        exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+    except SyntaxError:  # cannot happen with sanitized names; keep the tool usable anyway
+        source = (
+            "def _codebroker_make(_codebroker_call):\n"
+            "    async def %s(**kwargs):\n"
+            "        return await _codebroker_call({}, {}, kwargs)\n"
+            "    return %s\n" % (func_name, func_name)
+        )
+        docs = []
+        exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+    register_source(filename, source)
+    func = namespace["_codebroker_make"](call)
+    func.__qualname__ = func_name
+    func.__module__ = "__main__"
+    doc = description.strip()
+    if docs:
+        doc = (doc + "\n\n" if doc else "") + "Args:\n" + "\n".join(docs)
+    func.__doc__ = doc or None
+    func.tool_name = name
+    func.tool_parameters = schema
+    return func
+
+
+# --------------------------------------------------------------------------------------------
 # Running code
 # --------------------------------------------------------------------------------------------
 
@@ -526,6 +749,9 @@ class Kernel:
         self.loads = _make_json_reader()
         self.idle = False  # between cells: SIGCHLD is the kernel's (reap_while_idle)
         self.cell_sigchld = None  # the SIGCHLD disposition a cell set, given back to the next
+        self.request_id = None  # the request being run, for display events
+        self.tool_globals = {}  # name -> object the kernel put in the globals for tools
+        DISPLAY[0] = self.display
 
     # -- between cells ---------------------------------------------------------------------
 
@@ -553,6 +779,32 @@ class Kernel:
                     pass
                 self.cell_sigchld = None
         reap_children()
+
+    def display(self, mime, name):
+        """Tell the runner about a file the cell showed (a saved figure)."""
+        try:
+            self.channel.send({"event": "display", "id": self.request_id, "mime": mime, "name": name})
+        except OSError:
+            pass
+
+    def install_tools(self, tools, socket_path):
+        """Replace the previous cell's tool functions by this cell's (see "Tools")."""
+        for name, obj in self.tool_globals.items():
+            if self.ns.get(name) is obj:
+                del self.ns[name]
+        self.tool_globals = {}
+        if not tools:
+            os.environ.pop(TOOL_SOCKET_ENV, None)
+            return
+        if socket_path:
+            os.environ[TOOL_SOCKET_ENV] = socket_path  # for `sandbox-runner tool-call` and co.
+        else:
+            os.environ.pop(TOOL_SOCKET_ENV, None)
+        names = tool_function_names([t["name"] for t in tools])
+        for func_name, tool in zip(names, tools):
+            self.tool_globals[func_name] = make_tool_function(func_name, tool, socket_path)
+        self.tool_globals["ToolError"] = ToolError
+        self.ns.update(self.tool_globals)
 
     def finish(self, error):
         """End a cell so that everything it wrote reaches fds 1 and 2 before `done`."""
@@ -625,11 +877,12 @@ class Kernel:
                     pass
             raise
 
-    def run(self, code, args):
+    def run(self, code, args, tools=None, tool_socket=None):
         """Run one cell; (exit code, the exception to report or None)."""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.prepare(args)
         try:
+            self.install_tools(tools, tool_socket)
             body, expr = self.compile(code)
             self.evaluate(body)
             if expr is not None:
@@ -673,7 +926,11 @@ class Kernel:
                 # Interrupted outside any cell frame (say, in the event loop's select):
                 # the frames would only show the kernel's machinery.
                 return None
-        entries = [t for t in entries if t.tb_frame.f_code.co_filename != KERNEL_FILE]
+        entries = [
+            t for t in entries
+            if t.tb_frame.f_code.co_filename != KERNEL_FILE
+            and not t.tb_frame.f_code.co_filename.startswith(TOOL_PREFIX)
+        ]
         new = None
         for t in reversed(entries):
             new = type(t)(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
@@ -731,13 +988,21 @@ class Kernel:
                     code, args = req.get("code", ""), req.get("args") or []
                     if not isinstance(code, str) or not isinstance(args, list):
                         raise ValueError("code must be a string and args a list")
+                    tools = req.get("tools") or []
+                    if not isinstance(tools, list):
+                        raise ValueError("tools must be a list")
+                    tools = [t for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)]
+                    tool_socket = req.get("tool_socket")
+                    if not isinstance(tool_socket, str):
+                        tool_socket = None
                 except Exception as e:
                     try:
                         self.streams.stderr.write("kernel.py: bad request: %s\n" % e)
                     except Exception:
                         pass
                 else:
-                    exit_code, error = self.run(code, args)
+                    self.request_id = req_id
+                    exit_code, error = self.run(code, args, tools, tool_socket)
             except KeyboardInterrupt:
                 # SIGINT landed in the kernel's own code around the cell: still an interrupt.
                 signal.signal(signal.SIGINT, _ignore_sigint)
@@ -745,6 +1010,7 @@ class Kernel:
             self.finish(error)
             if os.getpid() != KERNEL_PID:
                 os._exit(exit_code)  # a fork() in user code must not answer for the kernel
+            os.environ.pop(TOOL_SOCKET_ENV, None)  # the socket is gone with the exec
             self.reap_while_idle()
             try:
                 self.channel.send({"event": "done", "id": req_id, "exit_code": exit_code})

@@ -105,6 +105,7 @@ class Kernel:
             os.set_blocking(fd, False)
             self.sel.register(fd, selectors.EVENT_READ, name)
         self.next_id = 1
+        self.displays = []
         ready = self.event(timeout=30)
         self.start_time = time.monotonic() - self.started
         assert ready == {"event": "ready"}, ready
@@ -153,18 +154,25 @@ class Kernel:
         self.bufs["stderr"].clear()
         return out, err
 
-    def send(self, code, args=(), req_id=None, ensure_ascii=True):
+    def send(self, code, args=(), req_id=None, ensure_ascii=True, **extra):
         if req_id is None:
             req_id = self.next_id
             self.next_id += 1
-        line = json.dumps({"id": req_id, "code": code, "args": list(args)}, ensure_ascii=ensure_ascii) + "\n"
+        req = {"id": req_id, "code": code, "args": list(args)}
+        req.update(extra)  # tools, tool_socket
+        line = json.dumps(req, ensure_ascii=ensure_ascii) + "\n"
         os.write(self.req_w, line.encode())
         return req_id
 
-    def run(self, code, args=(), timeout=30):
-        """Run code; (exit_code, stdout, stderr)."""
-        req_id = self.send(code, args)
-        ev = self.event(timeout)
+    def run(self, code, args=(), timeout=30, **extra):
+        """Run code; (exit_code, stdout, stderr). Display events go to self.displays."""
+        req_id = self.send(code, args, **extra)
+        while True:
+            ev = self.event(timeout)
+            if ev is None or ev.get("event") != "display":
+                break
+            assert ev.get("id") == req_id, ev
+            self.displays.append(ev)
         assert ev is not None, "no done within %ss" % timeout
         assert ev == {"event": "done", "id": req_id, "exit_code": ev.get("exit_code")}, ev
         out, err = self.take_output()
@@ -711,6 +719,236 @@ def test_reaping_leaves_exit_statuses_to_their_owners():
         assert _children(k.proc.pid) == {}
 
 
+# -- tools ------------------------------------------------------------------------------------
+
+
+ADD = {
+    "name": "add",
+    "description": "Adds two numbers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "description": "The first."}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+    },
+}
+
+SEARCH = {
+    "name": "web-search",
+    "description": "Searches the web.\nReturns hits.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "class": {"type": "string"},
+            "max-results": {"type": "integer"},
+            "lambda": {},
+            "_codebroker_call": {"type": "boolean"},
+        },
+        "required": ["query", "class"],
+    },
+}
+
+
+class FakeToolSocket:
+    """A tool socket like the runner's: one JSON line per connection, answered by `answer`
+    once `release` allows it (so tests can see calls arrive before any is answered)."""
+
+    def __init__(self, answer):
+        import socket
+        import threading
+
+        self.dir = tempfile.mkdtemp(prefix="cb-tools-")
+        self.path = os.path.join(self.dir, "tools.sock")
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(self.path)
+        self.sock.listen(16)
+        self.answer = answer
+        self.calls = []
+        self.release = threading.Event()
+        self.release.set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn):
+        with conn:
+            line = conn.makefile("rb").readline()
+            req = json.loads(line)
+            with self.lock:
+                self.calls.append(req)
+            self.release.wait(10)
+            conn.sendall(json.dumps(self.answer(req)).encode() + b"\n")
+
+    def close(self):
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _add_answer(req):
+    inp = req["input"]
+    if req["name"] != "add":
+        return {"result": None, "is_error": True, "error_message": "Unknown tool: %r" % req["name"]}
+    if inp.get("a") is None or inp.get("b") is None:
+        return {"result": None, "is_error": True, "error_message": "need a and b"}
+    return {"result": inp["a"] + inp["b"], "is_error": False, "error_message": None}
+
+
+def test_tool_signatures_from_json_schema():
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import inspect\n"
+            "print(inspect.signature(add))\n"
+            "print(inspect.signature(web_search))\n"
+            "print(inspect.iscoroutinefunction(add), add.__name__, add.tool_name, web_search.tool_name)\n"
+            "print(add.__doc__)\n"
+            "print(web_search.__doc__)\n",
+            tools=[ADD, SEARCH],
+        )
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0] == "(*, a: int, b: float)", out
+        # keywords get `_`; non-identifiers `_`; optional ones default to None
+        assert lines[1] == (
+            "(*, query: str, class_: str, max_results: int | None = None, lambda_=None, "
+            "_codebroker_call_: bool | None = None)"
+        ), out
+        assert lines[2] == "True add add web-search", out
+        assert "\n".join(lines[3:7]) == (
+            "Adds two numbers.\n\nArgs:\n    a (int): The first."
+        ), out
+        assert "Searches the web.\nReturns hits.\n\nArgs:\n    query (str)\n    class_ (str)\n" in out, out
+        assert "    max_results (int, optional)\n" in out, out
+
+
+def test_tool_function_names():
+    tools = [
+        {"name": "print"},  # a builtin
+        {"name": "class"},  # a keyword
+        {"name": "match"},  # a soft keyword is a fine name
+        {"name": "2fa"},
+        {"name": "a-b"},
+        {"name": "a_b"},
+        {"name": "ToolError"},
+        {"name": "no_schema", "parameters": {}},
+        {"name": "closed", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+        {"name": "open_ended", "parameters": {"properties": {"x": {}}, "additionalProperties": True}},
+        {"name": "kw", "parameters": {"properties": {"kwargs": {}}, "additionalProperties": {}}},
+    ]
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import inspect\n"
+            "for f in (print_tool, class_tool, match, _2fa, a_b, a_b_2, ToolError_tool, no_schema, closed, open_ended, kw):\n"
+            "    print(f.__name__, f.tool_name, inspect.signature(f))\n"
+            "print(print is __builtins__.print if isinstance(__builtins__, type(inspect)) else print is __builtins__['print'])",
+            tools=tools,
+        )
+        assert code == 0, err
+        assert out.splitlines() == [
+            "print_tool print (**kwargs)",
+            "class_tool class (**kwargs)",
+            "match match (**kwargs)",
+            "_2fa 2fa (**kwargs)",
+            "a_b a-b (**kwargs)",
+            "a_b_2 a_b (**kwargs)",
+            "ToolError_tool ToolError (**kwargs)",
+            "no_schema no_schema (**kwargs)",
+            "closed closed ()",
+            "open_ended open_ended (*, x=None, **kwargs)",
+            "kw kw (*, kwargs=None, **kwargs_2)",
+            "True",
+        ], out
+
+
+def test_tool_calls_over_the_socket():
+    server = FakeToolSocket(_add_answer)
+    try:
+        with Kernel() as k:
+            req = dict(tools=[ADD, {"name": "opt", "parameters": {"properties": {"x": {}, "y": {}}, "required": ["x"]}}],
+                       tool_socket=server.path)
+            code, out, err = k.run(
+                "import os, numpy\n"
+                "print(await add(a=1, b=2))\n"
+                "try:\n    await add(a=1, b=None)\nexcept ToolError as e:\n    print('caught', e, e.tool)\n"
+                "try:\n    await opt(x=None)\nexcept ToolError as e:\n    print('caught', e)\n"
+                "try:\n    add(1, 2)\nexcept TypeError as e:\n    print('TypeError', e)\n"
+                "print(os.environ['CODEBROKER_TOOL_SOCKET'] == %r)\n" % server.path,
+                **req,
+            )
+            assert code == 0, err
+            assert out.splitlines() == [
+                "3",
+                "caught need a and b add",
+                "caught Unknown tool: 'opt'",
+                "TypeError add() takes 0 positional arguments but 2 were given",
+                "True",
+            ], (out, err)
+            # required None is sent as null, optional None is left out
+            assert server.calls[1] == {"name": "add", "input": {"a": 1, "b": None}}, server.calls
+            assert server.calls[2] == {"name": "opt", "input": {"x": None}}, server.calls
+
+            # gather: both calls reach the socket before either is answered
+            server.calls.clear()
+            server.release.clear()
+            import threading
+
+            def release_when_both_arrived():
+                deadline = time.monotonic() + 10
+                while len(server.calls) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                server.both = len(server.calls) == 2
+                server.release.set()
+
+            threading.Thread(target=release_when_both_arrived, daemon=True).start()
+            code, out, err = k.run(
+                "import asyncio\nprint(await asyncio.gather(add(a=1, b=2), add(a=numpy.int64(3), b=numpy.float64(4))))",
+                **req,
+            )
+            assert code == 0, err
+            assert out == "[3, 7.0]\n", out
+            assert server.both
+
+            # an uncaught ToolError shows only the cell's frames
+            code, out, err = k.run("await add(a=None, b=1)", **req)
+            assert code == 1
+            assert err.endswith("ToolError: need a and b\n"), err
+            assert "kernel.py" not in err and "codebroker-tool" not in err, err
+            assert 'File "<cell-' in err, err
+    finally:
+        server.close()
+
+
+def test_tools_do_not_linger():
+    with Kernel() as k:
+        assert_ok(k.run("print(add.__name__)", tools=[ADD]), "add\n")
+        assert_ok(
+            k.run("import os\nprint('add' in globals(), 'ToolError' in globals(), os.environ.get('CODEBROKER_TOOL_SOCKET'))"),
+            "False False None\n",
+        )
+        # a name the code rebinds is the code's
+        assert_ok(k.run("keep = add\nadd = 5", tools=[ADD], tool_socket="/nonexistent/s"), "")
+        assert_ok(k.run("print(add, 'ToolError' in globals())"), "5 False\n")
+        # a kept reference fails cleanly once its exec is over
+        code, out, err = k.run(
+            "try:\n    await keep(a=1, b=2)\nexcept Exception as e:\n    print(type(e).__name__, e)"
+        )
+        assert code == 0, err
+        assert out.startswith("ToolError Tool 'add' is not available (tools only work during the exec"), out
+        # without a socket the functions exist and raise ToolError
+        code, out, err = k.run("await add(a=1, b=2)", tools=[ADD])
+        assert code == 1 and "ToolError: Tool 'add' is not available: this exec has no tool socket" in err, err
+        # malformed tool specs are skipped, not fatal
+        assert_ok(k.run("print(add.__name__)", tools=[ADD, {"name": 5}, "x", {"description": "no name"}]), "add\n")
+
+
 # -- matplotlib -------------------------------------------------------------------------------
 
 
@@ -730,6 +968,7 @@ def test_plt_show_saves_plots():
         assert code == 0, err
         assert out in ("[] agg\n", "[] Agg\n"), out
         assert os.listdir(k.workdir) == ["plot-1.png"]
+        assert k.displays == [{"event": "display", "id": 2, "mime": "image/png", "name": "plot-1.png"}], k.displays
         with open(os.path.join(k.workdir, "plot-1.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         # the font cache was copied, not rebuilt
@@ -747,6 +986,7 @@ def test_plt_show_saves_plots():
         )
         assert code == 0, err
         assert sorted(os.listdir(k.workdir)) == ["plot-1.png", "plot-2.png", "plot-3.png", "plot-4.png"]
+        assert [d["name"] for d in k.displays[1:]] == ["plot-2.png", "plot-4.png"], k.displays
         assert os.path.getsize(os.path.join(k.workdir, "plot-4.png")) > 0
         assert_ok(k.run("plt.show()\nplt.get_fignums()"), "[]\n")  # nothing open, nothing saved
         assert len(os.listdir(k.workdir)) == 4

@@ -76,6 +76,44 @@ pub fn plan(lang: Language, code: &str, dir: &Path) -> Option<Plan> {
     })
 }
 
+/// The compiled TypeScript module of an exec with tools: it runs as an ES module, for
+/// top-level `await` (esbuild cannot put that into CommonJS); `None` for other languages.
+pub fn esm_main(lang: Language, dir: &Path) -> Option<String> {
+    (lang == Language::Ts).then(|| dir.join("main.mjs").to_string_lossy().into_owned())
+}
+
+/// Changes a JavaScript or TypeScript plan so node preloads the tool functions from
+/// `prelude` (`node -r PRELUDE main.js`). TypeScript is compiled to an ES module
+/// (`main.mjs`, see [`esm_main`]); plain JavaScript stays CommonJS, and the caller wraps
+/// it in an async function instead. Other languages are left alone.
+pub fn preload(plan: &mut Plan, lang: Language, dir: &Path, prelude: &Path) {
+    let main = match lang {
+        Language::Js => dir.join("main.js").to_string_lossy().into_owned(),
+        Language::Ts => match esm_main(lang, dir) {
+            Some(m) => m,
+            None => return,
+        },
+        _ => return,
+    };
+    if lang == Language::Ts {
+        if let Some(compile) = plan.compile.as_mut() {
+            for arg in compile.iter_mut() {
+                if arg == "--outfile=main.js" {
+                    *arg = "--outfile=main.mjs".into();
+                } else if arg == "--format=cjs" {
+                    *arg = "--format=esm".into();
+                }
+            }
+        }
+    }
+    plan.run = vec![
+        "node".into(),
+        "-r".into(),
+        prelude.to_string_lossy().into_owned(),
+        main,
+    ];
+}
+
 /// One top-level type declaration found in Java source.
 #[derive(Debug)]
 struct JavaType {
@@ -253,6 +291,41 @@ mod tests {
         let code =
             "public interface Shape {}\nclass App { public static void main(String[] a) {} }";
         assert_eq!(names(code), ("Shape".into(), "App".into()));
+    }
+
+    #[test]
+    fn preloading_tools() {
+        let dir = Path::new("/tmp/exec-1");
+        let prelude = Path::new("/tmp/tools-1/prelude.js");
+        let mut p = plan(Language::Js, "", dir).unwrap();
+        preload(&mut p, Language::Js, dir, prelude);
+        assert_eq!(
+            p.run,
+            vec![
+                "node",
+                "-r",
+                "/tmp/tools-1/prelude.js",
+                "/tmp/exec-1/main.js"
+            ]
+        );
+        let mut p = plan(Language::Ts, "", dir).unwrap();
+        preload(&mut p, Language::Ts, dir, prelude);
+        assert_eq!(
+            p.run,
+            vec![
+                "node",
+                "-r",
+                "/tmp/tools-1/prelude.js",
+                "/tmp/exec-1/main.mjs"
+            ]
+        );
+        let compile = p.compile.unwrap();
+        assert!(compile.contains(&"--outfile=main.mjs".to_string()));
+        assert!(compile.contains(&"--format=esm".to_string()));
+        let mut p = plan(Language::Bash, "", dir).unwrap();
+        let before = p.clone();
+        preload(&mut p, Language::Bash, dir, prelude);
+        assert_eq!(p, before);
     }
 
     #[test]

@@ -19,14 +19,20 @@
 //! code) are ignored, as are all signals without a handler: the kernel does not deliver
 //! them to a namespace's init. SIGCHLD is blocked in every thread and waited for by the
 //! reaper.
+//!
+//! Run as `sandbox-runner tool-call NAME [JSON]`, the binary is instead a tool client for
+//! the code of an exec (see `client`), and none of the above happens.
 
 mod capture;
+mod client;
 mod frame;
 mod lang;
 mod reaper;
 mod spawn;
+mod stubs;
 mod sweep;
 mod sys;
+mod tools;
 mod worker;
 
 use frame::{Channel, Line, Parsed};
@@ -56,6 +62,10 @@ pub struct Config {
     /// Whether the runner is PID 1 (in a container) rather than a process on a host: it
     /// decides what the sweep may kill and who reaps orphans.
     pub pid1: bool,
+    /// This binary, which bash's tool functions run as a client (`tool-call`).
+    pub runner_exe: String,
+    /// Report the timing of each tool call on stderr (`CODEBROKER_TOOL_TRACE` set).
+    pub tool_trace: bool,
 }
 
 /// PATH when the image sets none.
@@ -99,11 +109,21 @@ impl Config {
             env,
             path,
             pid1,
+            runner_exe: std::env::current_exe()
+                .ok()
+                .and_then(|p| p.into_os_string().into_string().ok())
+                .unwrap_or_else(|| "sandbox-runner".into()),
+            tool_trace: std::env::var_os("CODEBROKER_TOOL_TRACE").is_some_and(|v| !v.is_empty()),
         }
     }
 }
 
 fn main() {
+    // The client mode first, before anything that only PID 1 (or the agent) may do.
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == "tool-call") {
+        std::process::exit(client::main(args));
+    }
     // SAFETY: getpid and prctl with these arguments have no memory-safety preconditions.
     let pid1 = unsafe {
         // Non-dumpable: user code (same uid) can neither ptrace the runner nor open its
@@ -219,8 +239,8 @@ fn handle(line: &[u8], chan: &Channel, control: &Control) {
             }
         }
         CoordinatorMessage::Cancel => control.cancel(job),
-        // No exec of this runner calls tools yet: nothing waits for a result.
-        CoordinatorMessage::ToolResult(_) => {}
+        // Results for a job that is not running any more (it timed out, say) are dropped.
+        CoordinatorMessage::ToolResult(result) => control.tool_result(job, result),
     }
 }
 

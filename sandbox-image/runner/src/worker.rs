@@ -5,18 +5,23 @@
 //! (a tracked child ended), so the worker notices each of those at once, without polling
 //! on a timer. When an exec's program ends (or is stopped), everything it left behind is
 //! killed (`sweep`), then its pipes are drained and the answer is sent.
+//!
+//! An exec with tools also has a tool socket (`tools`), whose descriptors join the same
+//! poll loop; tool results from the broker come through [`Control`] like cancels do.
 
 use crate::capture::Capture;
 use crate::frame::Channel;
 use crate::reaper::{Exit, Tracker};
 use crate::spawn::Spec;
 use crate::sys::{self, Read, Waker};
-use crate::{lang, sweep, Config};
+use crate::tools::ToolBridge;
+use crate::{client, lang, stubs, sweep, Config};
 use sandbox_runner::{
-    ExecRequest, ExecResponse, JobId, Language, Limit, OutputChunk, RuntimeStatus, Stream,
-    WorkerMessage,
+    DisplayData, ExecRequest, ExecResponse, JobId, Language, Limit, OutputChunk, RuntimeStatus,
+    Stream, ToolResult, WorkerMessage,
 };
 use std::collections::VecDeque;
+use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
@@ -68,6 +73,8 @@ struct State {
     current: Option<JobId>,
     /// A cancel arrived for `current`.
     cancel: bool,
+    /// Tool results for `current` not yet handed to its tool calls.
+    tool_results: Vec<ToolResult>,
 }
 
 impl Control {
@@ -78,6 +85,7 @@ impl Control {
                 queue: VecDeque::new(),
                 current: None,
                 cancel: false,
+                tool_results: Vec::new(),
             }),
             waker,
             finished: Condvar::new(),
@@ -103,6 +111,7 @@ impl Control {
         }
         st.current = Some(job);
         st.cancel = false;
+        st.tool_results.clear();
         st.queue.push_back(Task::Exec(job, req));
         drop(st);
         self.waker.wake();
@@ -120,6 +129,21 @@ impl Control {
         }
     }
 
+    /// Hands a tool result to the exec of `job`; dropped when that job is not running (it
+    /// may have timed out while the broker was working on the call).
+    pub fn tool_result(&self, job: JobId, result: ToolResult) {
+        let mut st = self.lock();
+        if st.current == Some(job) {
+            st.tool_results.push(result);
+            drop(st);
+            self.waker.wake();
+        }
+    }
+
+    fn take_tool_results(&self) -> Vec<ToolResult> {
+        std::mem::take(&mut self.lock().tool_results)
+    }
+
     fn next(&self) -> Option<Task> {
         self.lock().queue.pop_front()
     }
@@ -134,6 +158,7 @@ impl Control {
         let mut st = self.lock();
         st.current = None;
         st.cancel = false;
+        st.tool_results.clear();
         self.finished.notify_all();
     }
 
@@ -170,6 +195,10 @@ struct Ctl {
     notes: Vec<String>,
     /// The temp dir was too full to hold the program (user code can fill it).
     disk_full: bool,
+    /// Whether the request asked for streaming (display events are sent only then).
+    stream: bool,
+    /// The tool socket, when the exec has tools (and it could be set up).
+    tools: Option<ToolBridge>,
 }
 
 /// The persistent Python kernel (see the README's kernel protocol).
@@ -197,6 +226,8 @@ struct Kernel {
     broken_at: Option<Instant>,
     /// The id of the last request.
     last_id: u64,
+    /// Display events of the running request not yet sent.
+    displays: Vec<DisplayData>,
 }
 
 impl Kernel {
@@ -225,6 +256,14 @@ impl Kernel {
                     self.ready = true;
                 } else if ev.event == "done" && want.is_some() && ev.id == want {
                     done = Some(ev.exit_code.unwrap_or(1));
+                } else if ev.event == "display" && want.is_some() && ev.id == want {
+                    if let Some(mime) = ev.mime {
+                        self.displays.push(DisplayData {
+                            mime,
+                            name: ev.name,
+                            data: ev.data,
+                        });
+                    }
                 }
             }
         }
@@ -252,20 +291,30 @@ impl Kernel {
             }
         }
         while self.read_events(buf, None).is_some() {}
+        self.displays.clear();
     }
 }
 
 /// One line of the kernel's event pipe.
 #[derive(serde::Deserialize)]
 struct KernelEvent {
-    /// `ready` or `done`.
+    /// `ready`, `display` or `done`.
     event: String,
-    /// The request a `done` answers.
+    /// The request a `done` answers or a `display` belongs to.
     #[serde(default)]
     id: Option<u64>,
     /// The exit code a `done` reports.
     #[serde(default)]
     exit_code: Option<i32>,
+    /// A `display`'s MIME type.
+    #[serde(default)]
+    mime: Option<String>,
+    /// A `display`'s file in the workspace.
+    #[serde(default)]
+    name: Option<String>,
+    /// A `display`'s value, when small text.
+    #[serde(default)]
+    data: Option<String>,
 }
 
 /// The worker thread's state.
@@ -425,6 +474,7 @@ impl Worker {
             exit: None,
             broken_at: None,
             last_id: 0,
+            displays: Vec::new(),
         });
         self.control.kernel_running.store(true, Ordering::Relaxed);
         Ok(())
@@ -441,7 +491,20 @@ impl Worker {
             killed: false,
             notes: Vec::new(),
             disk_full: false,
+            stream: req.stream,
+            tools: None,
         };
+        if !req.tools.is_empty() {
+            match self.open_tools(job, req) {
+                Ok(bridge) => ctl.tools = Some(bridge),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+                    ctl.disk_full = true;
+                }
+                Err(e) => ctl
+                    .notes
+                    .push(format!("Error: cannot set up the tool socket: {e}")),
+            }
+        }
         let mut sink = Capture::new(req.max_output_bytes, req.stream);
         let (exit, runtime_status) = if self.check_stop(&mut ctl) {
             (None, RuntimeStatus::New) // cancelled (or no time at all) before it started
@@ -455,6 +518,8 @@ impl Worker {
             )
         };
 
+        // The tool socket goes away with the program: nothing can call tools any more.
+        ctl.tools = None;
         let mut limits = Vec::new();
         if ctl.stop == Some(Stop::Time) {
             limits.push(Limit::Time);
@@ -535,7 +600,32 @@ impl Worker {
         } else if ctl.deadline.is_some_and(|d| Instant::now() >= d) {
             ctl.stop = Some(Stop::Time);
         }
+        if let (Some(stop), Some(tools)) = (ctl.stop, ctl.tools.as_mut()) {
+            // Calls waiting for a result must not keep the code waiting (a thread the
+            // interrupt does not reach, a client that ignores signals).
+            tools.stop(match stop {
+                Stop::Time => Limit::Time.message(),
+                Stop::Cancel => "Cancelled",
+            });
+        }
         ctl.stop.is_some()
+    }
+
+    /// Sets up the tool socket of an exec in a fresh private directory.
+    fn open_tools(&mut self, job: JobId, req: &ExecRequest) -> io::Result<ToolBridge> {
+        let dir = self.make_dir("tools", job)?;
+        ToolBridge::open(dir, &req.tools, self.cfg.tool_trace)
+    }
+
+    /// Serves the tool socket after a poll: new calls go to the broker, results that came
+    /// in go to their calls.
+    fn service_tools(&self, ctl: &mut Ctl, pfds: &[libc::pollfd]) {
+        if let Some(tools) = ctl.tools.as_mut() {
+            tools.service(pfds, &self.chan, ctl.job);
+            for result in self.control.take_tool_results() {
+                tools.deliver(result);
+            }
+        }
     }
 
     /// Reads what is available on one pipe into `sink`, streaming it if asked; returns
@@ -631,7 +721,7 @@ impl Worker {
         sink: &mut Capture,
         req: &ExecRequest,
     ) -> Option<Exit> {
-        let dir = match self.make_dir(ctl.job) {
+        let dir = match self.make_dir("exec", ctl.job) {
             Ok(dir) => dir,
             Err(e) => {
                 self.cannot_write(ctl, &e);
@@ -669,14 +759,30 @@ impl Worker {
         req: &ExecRequest,
         dir: &Path,
     ) -> io::Result<Exit> {
-        let plan = lang::plan(req.lang, &req.code, dir)
+        let mut plan = lang::plan(req.lang, &req.code, dir)
             .ok_or_else(|| io::Error::other("no plan for this language"))?;
+        let mut env = None;
+        let mut wrapped = None;
+        if let Some(tools) = &ctl.tools {
+            let (run_env, prelude) = self.tool_env(tools, req, dir)?;
+            env = Some(run_env);
+            if let Some(prelude) = prelude {
+                lang::preload(&mut plan, req.lang, dir, &prelude);
+                if req.lang == Language::Js {
+                    wrapped = Some(stubs::wrap_js(&req.code));
+                }
+            }
+        }
         // Only writing can fail with `Err`; a failing compiler or program is an `Exit`.
-        std::fs::write(dir.join(&plan.source), &req.code)?;
+        std::fs::write(
+            dir.join(&plan.source),
+            wrapped.as_deref().unwrap_or(&req.code),
+        )?;
+        let cfg = self.cfg.clone(); // the base environment, kept while self is borrowed mutably
         if let Some(compile) = &plan.compile {
             // The compiler's own output is shown only when compiling fails.
             let mut cc = Capture::new(req.max_output_bytes, false);
-            let exit = self.run_child(ctl, &mut cc, compile, dir);
+            let exit = self.run_child(ctl, &mut cc, compile, dir, &cfg.env);
             if exit != Exit::Code(0) || ctl.stop.is_some() {
                 for which in [Stream::Stdout, Stream::Stderr] {
                     if let Some(text) = sink.push(which, cc.bytes(which)) {
@@ -695,15 +801,57 @@ impl Worker {
         let mut argv = plan.run.clone();
         argv.extend(req.args.iter().cloned());
         let workdir = self.cfg.workdir.clone();
-        Ok(self.run_child(ctl, sink, &argv, &workdir))
+        let env = env.as_deref().unwrap_or(&cfg.env);
+        Ok(self.run_child(ctl, sink, &argv, &workdir, env))
+    }
+
+    /// The environment of a program that may call tools, and the prelude file written for
+    /// its language (bash gets it through `BASH_ENV`; for JavaScript and TypeScript it is
+    /// the file to preload). `dir` is the per-exec directory.
+    fn tool_env(
+        &self,
+        tools: &ToolBridge,
+        req: &ExecRequest,
+        dir: &Path,
+    ) -> io::Result<(Vec<CString>, Option<PathBuf>)> {
+        let socket = tools.socket().to_string_lossy().into_owned();
+        let mut vars = vec![(client::SOCKET_ENV, socket.clone())];
+        let prelude = match req.lang {
+            Language::Bash => {
+                let file = tools.dir().join("prelude.sh");
+                let text = stubs::bash_prelude(&req.tools, &self.cfg.path, &self.cfg.runner_exe);
+                std::fs::write(&file, text)?;
+                vars.push(("BASH_ENV", file.to_string_lossy().into_owned()));
+                None
+            }
+            Language::Js | Language::Ts => {
+                let file = tools.dir().join("prelude.js");
+                let esm_main = lang::esm_main(req.lang, dir);
+                let text = stubs::js_prelude(&req.tools, &socket, esm_main.as_deref());
+                std::fs::write(&file, text)?;
+                Some(file)
+            }
+            _ => None,
+        };
+        let mut env: Vec<CString> = self
+            .cfg
+            .env
+            .iter()
+            .filter(|kv| !vars.iter().any(|(k, _)| env_key_is(kv, k)))
+            .cloned()
+            .collect();
+        for (k, v) in vars {
+            env.push(crate::spawn::cstring(format!("{k}={v}").as_bytes())?);
+        }
+        Ok((env, prelude))
     }
 
     /// A new private directory under the temp dir, never one that already exists (user
     /// code shares /tmp and may have planted names).
-    fn make_dir(&mut self, job: JobId) -> io::Result<PathBuf> {
+    fn make_dir(&mut self, prefix: &str, job: JobId) -> io::Result<PathBuf> {
         loop {
             self.seq += 1;
-            let dir = self.cfg.tmp.join(format!("exec-{job}-{}", self.seq));
+            let dir = self.cfg.tmp.join(format!("{prefix}-{job}-{}", self.seq));
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                 Ok(()) => return Ok(dir),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists && self.seq % 1000 != 0 => {}
@@ -719,9 +867,10 @@ impl Worker {
         sink: &mut Capture,
         argv: &[String],
         cwd: &Path,
+        env: &[CString],
     ) -> Exit {
         let mut fds: [Option<OwnedFd>; 2] = [None, None];
-        let pid = match self.spawn_piped(argv, cwd, &mut fds) {
+        let pid = match self.spawn_piped(argv, cwd, env, &mut fds) {
             Ok(pid) => pid,
             Err(e) => {
                 let name = argv.first().map_or("", String::as_str);
@@ -751,18 +900,23 @@ impl Worker {
             };
             let mut pfds = vec![sys::pollin(&self.wake_r)];
             pfds.extend(fds.iter().flatten().map(sys::pollin));
+            let outputs = pfds.len();
+            if let Some(tools) = &ctl.tools {
+                tools.pollfds(&mut pfds);
+            }
             if let Err(e) = sys::poll(&mut pfds, timeout) {
                 eprintln!("sandbox-runner: poll: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }
             sys::drain(&self.wake_r);
-            if pfds[1..].iter().any(sys::ready) {
+            if pfds[1..outputs].iter().any(sys::ready) {
                 for (i, which) in [Stream::Stdout, Stream::Stderr].into_iter().enumerate() {
                     let mut slot = fds[i].take();
                     self.pump(&mut slot, which, sink, ctl.job);
                     fds[i] = slot;
                 }
             }
+            self.service_tools(ctl, &pfds[outputs..]);
         };
         let spare = self
             .kernel
@@ -779,6 +933,7 @@ impl Worker {
         &mut self,
         argv: &[String],
         cwd: &Path,
+        env: &[CString],
         fds: &mut [Option<OwnedFd>; 2],
     ) -> io::Result<libc::pid_t> {
         let (out_r, out_w) = sys::pipe()?;
@@ -788,7 +943,7 @@ impl Worker {
         let spec = Spec::new(
             argv,
             &self.cfg.path,
-            &self.cfg.env,
+            env,
             cwd,
             vec![
                 (self.devnull.as_raw_fd(), 0),
@@ -830,7 +985,16 @@ impl Worker {
         k.ran_code = true;
         k.last_id += 1;
         let id = k.last_id;
-        let request = serde_json::json!({"id": id, "code": req.code, "args": req.args});
+        let mut request = serde_json::json!({"id": id, "code": req.code, "args": req.args});
+        if !req.tools.is_empty() {
+            // Without a socket (it could not be set up) the functions still exist, and
+            // raise ToolError when called.
+            request["tools"] = serde_json::json!(req.tools);
+            request["tool_socket"] = serde_json::json!(ctl
+                .tools
+                .as_ref()
+                .map(|t| t.socket().to_string_lossy().into_owned()));
+        }
         let mut pending = request.to_string().into_bytes();
         pending.push(b'\n');
         let mut written = 0;
@@ -909,6 +1073,10 @@ impl Worker {
                     roles.push(Role::Requests);
                 }
             }
+            let kernel_fds = pfds.len();
+            if let Some(tools) = &ctl.tools {
+                tools.pollfds(&mut pfds);
+            }
             if let Err(e) = sys::poll(&mut pfds, timeout) {
                 eprintln!("sandbox-runner: poll: {e}");
                 std::thread::sleep(Duration::from_millis(1));
@@ -929,6 +1097,11 @@ impl Worker {
                         if let Some(code) = k.read_events(&mut self.buf, Some(id)) {
                             done = Some(code);
                         }
+                        for display in std::mem::take(&mut k.displays) {
+                            if ctl.stream {
+                                self.chan.send(ctl.job, &WorkerMessage::Display(display));
+                            }
+                        }
                     }
                     Role::Requests => {
                         let result = match &k.requests {
@@ -945,6 +1118,7 @@ impl Worker {
                     }
                 }
             }
+            self.service_tools(ctl, &pfds[kernel_fds..]);
         }
 
         let alive = k.exit.is_none() && killed_at.is_none() && k.broken_at.is_none();
@@ -1005,6 +1179,14 @@ fn oom_kills() -> Option<u64> {
                 .and_then(|v| v.trim().parse().ok())
         })
     })
+}
+
+/// Whether a `KEY=VALUE` entry sets `key`.
+fn env_key_is(entry: &CString, key: &str) -> bool {
+    entry
+        .as_bytes()
+        .strip_prefix(key.as_bytes())
+        .is_some_and(|rest| rest.starts_with(b"="))
 }
 
 /// Milliseconds as seconds for a note: `30`, `0.5`, `1.25`.

@@ -5,8 +5,9 @@
 //! tests never signal anything themselves except their own runner.
 
 use sandbox_runner::{
-    CoordinatorMessage, ExecRequest, ExecResponse, HelloRequest, JobId, Language, Limit,
-    Multiplexed, OutputChunk, RuntimeStatus, Stream, WorkerMessage,
+    CoordinatorMessage, DisplayData, ExecRequest, ExecResponse, HelloRequest, JobId, Language,
+    Limit, Multiplexed, OutputChunk, RuntimeStatus, Stream, ToolCall, ToolResult, ToolSpec,
+    WorkerMessage,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -32,6 +33,11 @@ fn kernel_script() -> Option<PathBuf> {
 
 impl Runner {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A runner with extra environment variables.
+    fn start_with(envs: &[(&str, &str)]) -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "runner-test-{}-{}",
@@ -47,6 +53,9 @@ impl Runner {
             .env("CODEBROKER_TMP", dir.join("tmp"))
             .env("CODEBROKER_KERNEL", kernel)
             .env("CODEBROKER_MPL_CACHE", dir.join("tmp/mpl"))
+            // For programs that run the tool client themselves (not on PATH on a host).
+            .env("RUNNER_EXE", env!("CARGO_BIN_EXE_sandbox-runner"))
+            .envs(envs.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -705,4 +714,522 @@ fn planted_exec_dirs_are_skipped() {
     assert!(victim.join("keep").exists());
     assert!(std::fs::symlink_metadata(tmp.join("exec-1-1")).is_ok());
     assert!(!tmp.join("exec-1-2").exists());
+}
+
+// ----- tools: a fake broker answers the code's tool calls -----
+
+/// Everything a job sent, up to its end.
+#[derive(Debug, Default)]
+struct Transcript {
+    chunks: Vec<OutputChunk>,
+    displays: Vec<DisplayData>,
+    calls: Vec<ToolCall>,
+    /// When each stdout chunk arrived, from the start of `drive`.
+    stdout_at: Vec<Duration>,
+}
+
+impl Transcript {
+    fn text(&self, which: Stream) -> String {
+        self.chunks
+            .iter()
+            .filter(|c| c.stream == which)
+            .map(|c| c.data.as_str())
+            .collect()
+    }
+}
+
+impl Runner {
+    /// Sends an exec and plays the broker until it ends: each tool call is answered with
+    /// what `answer` returns (nothing: left unanswered).
+    fn drive(
+        &mut self,
+        job: JobId,
+        req: ExecRequest,
+        mut answer: impl FnMut(&ToolCall) -> Option<ToolResult>,
+    ) -> (Transcript, ExecResponse) {
+        let t = Instant::now();
+        self.send(job, CoordinatorMessage::Exec(req));
+        let mut tr = Transcript::default();
+        loop {
+            let (j, msg) = self.recv();
+            assert_eq!(j, job, "frame for another job: {msg:?}");
+            match msg {
+                WorkerMessage::Output(c) => {
+                    if c.stream == Stream::Stdout {
+                        tr.stdout_at.push(t.elapsed());
+                    }
+                    tr.chunks.push(c);
+                }
+                WorkerMessage::Display(d) => tr.displays.push(d),
+                WorkerMessage::ToolCall(call) => {
+                    if let Some(result) = answer(&call) {
+                        self.send(job, CoordinatorMessage::ToolResult(result));
+                    }
+                    tr.calls.push(call);
+                }
+                WorkerMessage::ExecDone(r) => return (tr, r),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+}
+
+/// The tool the tests give: `add(a, b)`.
+fn add_tool() -> ToolSpec {
+    ToolSpec {
+        name: "add".into(),
+        description: "Adds two numbers.".into(),
+        parameters: serde_json::json!({
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+        }),
+    }
+}
+
+/// The fake broker's `add`: the sum, or an error without both numbers.
+fn add(call: &ToolCall) -> Option<ToolResult> {
+    assert_eq!(call.name, "add");
+    let (a, b) = (call.input.get("a"), call.input.get("b"));
+    Some(
+        match (a.and_then(|v| v.as_f64()), b.and_then(|v| v.as_f64())) {
+            (Some(a), Some(b)) => ToolResult {
+                call_id: call.call_id.clone(),
+                result: if (a + b).fract() == 0.0 {
+                    serde_json::json!((a + b) as i64)
+                } else {
+                    serde_json::json!(a + b)
+                },
+                is_error: false,
+                error_message: None,
+            },
+            _ => ToolResult {
+                call_id: call.call_id.clone(),
+                result: serde_json::Value::Null,
+                is_error: true,
+                error_message: Some("need a and b".into()),
+            },
+        },
+    )
+}
+
+fn tool_req(lang: Language, code: &str) -> ExecRequest {
+    let mut r = req(lang, code);
+    r.tools = vec![add_tool()];
+    r.stream = true;
+    r
+}
+
+fn call_ids(tr: &Transcript) -> Vec<&str> {
+    tr.calls.iter().map(|c| c.call_id.as_str()).collect()
+}
+
+#[test]
+fn py_tools_sequential_and_cleared_after_the_exec() {
+    let Some(mut r) = python_runner() else { return };
+    let code = "x = await add(a=1, b=2)\ny = await add(a=x, b=0.5)\nprint(x, y)\n\
+                import os, subprocess\n\
+                print(subprocess.run([os.environ['RUNNER_EXE'], 'tool-call', 'add', '{\"a\": 2, \"b\": 2}'], capture_output=True, text=True).stdout, end='')\n\
+                print(os.path.exists(os.environ['CODEBROKER_TOOL_SOCKET']))";
+    let (tr, resp) = r.drive(1, tool_req(Language::Py, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?} {resp:?}");
+    assert_eq!(tr.text(Stream::Stdout), "3 3.5\n4\nTrue\n", "{tr:?}");
+    assert_eq!(call_ids(&tr), ["call_001", "call_002", "call_003"]);
+    assert_eq!(tr.calls[1].input, serde_json::json!({"a": 3, "b": 0.5}));
+
+    // The next exec has no tools: the functions, ToolError and the variable are gone, and
+    // so is the socket's directory; a name the code rebound stays.
+    let (tr, _) = r.drive(2, tool_req(Language::Py, "add = 'mine'"), add);
+    assert!(tr.calls.is_empty());
+    let resp = r.exec(
+        3,
+        req(
+            Language::Py,
+            "import os\nprint(add, 'ToolError' in globals(), os.environ.get('CODEBROKER_TOOL_SOCKET'))",
+        ),
+    );
+    assert_eq!(resp.stdout, "mine False None\n", "{resp:?}");
+    let resp = r.exec(4, req(Language::Py, "del add\nadd"));
+    assert!(resp.stderr.contains("NameError"), "{resp:?}");
+    let left: Vec<_> = std::fs::read_dir(r.dir.join("tmp"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().starts_with("tools-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn py_tools_gather_sends_both_calls_before_any_answer() {
+    let Some(mut r) = python_runner() else { return };
+    let code = "import asyncio\nprint(await asyncio.gather(add(a=1, b=2), add(a=3, b=4)))";
+    r.send(1, CoordinatorMessage::Exec(tool_req(Language::Py, code)));
+    let mut calls = Vec::new();
+    while calls.len() < 2 {
+        match r.recv() {
+            (1, WorkerMessage::ToolCall(c)) => calls.push(c),
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut ids: Vec<_> = calls.iter().map(|c| c.call_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["call_001", "call_002"]);
+    // Answered in the reverse order of arrival.
+    for c in calls.iter().rev() {
+        r.send(1, CoordinatorMessage::ToolResult(add(c).unwrap()));
+    }
+    let (chunks, resp) = r.finish(1);
+    assert_eq!(resp.exit_code, Some(0), "{chunks:?}");
+    let out: String = chunks.iter().map(|c| c.data.as_str()).collect();
+    assert_eq!(out, "[3, 7]\n");
+}
+
+#[test]
+fn py_tools_wide_fan_out() {
+    let Some(mut r) = python_runner() else { return };
+    // More calls at once than the runner serves connections: the rest wait their turn.
+    let code = "import asyncio\nr = await asyncio.gather(*(add(a=i, b=1) for i in range(300)))\nprint(sum(r))";
+    let (tr, resp) = r.drive(1, tool_req(Language::Py, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    assert_eq!(tr.text(Stream::Stdout), "45150\n");
+    let mut ids: Vec<_> = call_ids(&tr);
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 300);
+    assert_eq!(ids[299], "call_300");
+}
+
+#[test]
+fn py_tool_errors_and_unknown_tools() {
+    let Some(mut r) = python_runner() else { return };
+    let code = r#"
+try:
+    await add(a=1)
+except TypeError as e:
+    print("TypeError:", e)
+try:
+    await add(a=1, b=None)
+except ToolError as e:
+    print("caught:", e, e.tool, isinstance(e, RuntimeError))
+import json, os, socket
+def raw(line):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(os.environ["CODEBROKER_TOOL_SOCKET"])
+    s.sendall(line)
+    if not line.endswith(b"\n"):
+        s.shutdown(socket.SHUT_WR)  # the end of a request without a newline
+    answer = json.loads(s.makefile("rb").read())
+    s.close()
+    return answer
+print(raw(b'{"name": "z", "input": {}}\n'))
+print(raw(b'not json\n')["error_message"].startswith("Invalid tool call request"))
+print(raw(b'{"name": "add", "input": [1]}\n')["error_message"])
+print(raw(b'{"name": "add", "input": {"a": 1, "b": 1}}')["result"])
+await add(b=1, a=None)
+"#;
+    let (tr, resp) = r.drive(1, tool_req(Language::Py, code), add);
+    assert_eq!(
+        tr.text(Stream::Stdout),
+        "TypeError: add() missing 1 required keyword-only argument: 'b'\n\
+         caught: need a and b add True\n\
+         {'result': None, 'is_error': True, 'error_message': \"Unknown tool: 'z'\"}\n\
+         True\n\
+         Tool input must be a JSON object (tool 'add')\n\
+         2\n",
+        "{tr:?}"
+    );
+    // The broker saw only the calls of `add` with an object input.
+    assert_eq!(call_ids(&tr), ["call_001", "call_002", "call_003"]);
+    assert_eq!(tr.calls[0].input, serde_json::json!({"a": 1, "b": null}));
+    // An uncaught ToolError: a traceback of the cell's frames only.
+    assert_eq!(resp.exit_code, Some(1));
+    let err = tr.text(Stream::Stderr);
+    assert!(err.ends_with("ToolError: need a and b\n"), "{err}");
+    assert!(err.contains("await add(b=1, a=None)"), "{err}");
+    assert!(
+        !err.contains("kernel.py") && !err.contains("codebroker-tool"),
+        "{err}"
+    );
+}
+
+#[test]
+fn py_twenty_sequential_round_trips() {
+    let Some(mut r) = python_runner() else { return };
+    let code = "import time\ns = 0\nt = time.perf_counter()\nfor i in range(20):\n    s = await add(a=s, b=1)\n\
+                print(s, round((time.perf_counter() - t) / 20 * 1e6))";
+    let (tr, resp) = r.drive(1, tool_req(Language::Py, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    let out = tr.text(Stream::Stdout);
+    let mut fields = out.split_whitespace();
+    assert_eq!(fields.next(), Some("20"), "{out}");
+    let micros: u64 = fields.next().and_then(|f| f.parse().ok()).unwrap();
+    println!("py tool call round trip seen by the code (fake broker on the host): {micros} µs");
+    assert_eq!(tr.calls.len(), 20);
+    assert_eq!(tr.calls[19].call_id, "call_020");
+}
+
+#[test]
+fn py_cancel_while_waiting_for_a_result() {
+    let Some(mut r) = python_runner() else { return };
+    r.exec(1, req(Language::Py, "kept = 1"));
+    let code = "print('asking', flush=True)\nawait add(a=1, b=2)\nprint('never')";
+    r.send(2, CoordinatorMessage::Exec(tool_req(Language::Py, code)));
+    let call = loop {
+        match r.recv() {
+            (2, WorkerMessage::ToolCall(c)) => break c,
+            (2, WorkerMessage::Output(_)) => {}
+            other => panic!("{other:?}"),
+        }
+    };
+    let t = Instant::now();
+    r.send(2, CoordinatorMessage::Cancel);
+    let (chunks, resp) = r.finish(2);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(resp.cancelled, "{resp:?}");
+    let out: String = chunks.iter().map(|c| c.data.as_str()).collect();
+    assert!(!out.contains("never"), "{out}");
+    // A late result is dropped; the kernel kept its state.
+    r.send(2, CoordinatorMessage::ToolResult(add(&call).unwrap()));
+    let resp = r.exec(3, req(Language::Py, "print(kept)"));
+    assert_eq!(resp.stdout, "1\n", "{resp:?}");
+    assert_eq!(resp.runtime_status, RuntimeStatus::Reused);
+}
+
+#[test]
+fn py_timeout_while_waiting_for_a_result() {
+    let Some(mut r) = python_runner() else { return };
+    r.exec(1, req(Language::Py, "kept = 2"));
+    // The call waits in a thread too, which the interrupt does not reach: the runner's
+    // error answer must end it.
+    let code = "import asyncio, threading\n\
+                def side():\n    try:\n        asyncio.run(add(a=1, b=1))\n    except ToolError as e:\n        print('thread:', e, flush=True)\n\
+                t = threading.Thread(target=side)\nt.start()\n\
+                await add(a=1, b=2)";
+    let mut rq = tool_req(Language::Py, code);
+    rq.timeout_ms = 1000;
+    let t = Instant::now();
+    let (tr, resp) = r.drive(2, rq, |_| None);
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert_eq!(resp.limits, vec![Limit::Time], "{resp:?}");
+    assert_eq!(tr.calls.len(), 2);
+    let resp = r.exec(3, req(Language::Py, "t.join(5)\nprint(t.is_alive(), kept)"));
+    assert_eq!(resp.stdout, "False 2\n", "{resp:?}");
+    assert_eq!(resp.runtime_status, RuntimeStatus::Reused);
+    assert!(
+        tr.text(Stream::Stdout)
+            .contains("thread: Time limit exceeded"),
+        "{tr:?}"
+    );
+}
+
+#[test]
+fn bash_tools() {
+    let mut r = Runner::start();
+    let code = r#"add '{"a":1,"b":2}'
+echo '{"a":1,"b":5}' | add
+add '{"a":1}' || echo "failed $?"
+bash -c 'add "{\"a\":2,\"b\":2}"'
+"$RUNNER_EXE" tool-call z '{}' || echo "unknown $?"
+add 'nope' || echo "bad input $?"
+"#;
+    let (tr, resp) = r.drive(1, tool_req(Language::Bash, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    assert_eq!(
+        tr.text(Stream::Stdout),
+        "3\n6\nfailed 1\n4\nunknown 1\nbad input 2\n"
+    );
+    let err = tr.text(Stream::Stderr);
+    assert!(
+        err.starts_with("need a and b\nUnknown tool: 'z'\nadd: the input is not valid JSON"),
+        "{err}"
+    );
+    assert_eq!(tr.calls.len(), 4);
+    // Nothing is left in the temp dir.
+    let left: Vec<_> = std::fs::read_dir(r.dir.join("tmp")).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    // Without tools there is no function and no socket.
+    let resp = r.exec(
+        2,
+        req(
+            Language::Bash,
+            "type add 2>/dev/null || echo none; \"$RUNNER_EXE\" tool-call add '{}'; echo $?",
+        ),
+    );
+    assert_eq!(resp.stdout, "none\n2\n", "{resp:?}");
+    assert!(resp.stderr.contains("no tool socket"), "{resp:?}");
+}
+
+#[test]
+fn bash_cancel_while_waiting_for_a_result() {
+    let mut r = Runner::start();
+    r.send(
+        1,
+        CoordinatorMessage::Exec(tool_req(
+            Language::Bash,
+            "add '{\"a\":1,\"b\":2}'; echo never",
+        )),
+    );
+    match r.recv() {
+        (1, WorkerMessage::ToolCall(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    let t = Instant::now();
+    r.send(1, CoordinatorMessage::Cancel);
+    let (chunks, resp) = r.finish(1);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    assert!(resp.cancelled);
+    assert!(
+        chunks.iter().all(|c| !c.data.contains("never")),
+        "{chunks:?}"
+    );
+}
+
+fn have(program: &str) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+#[test]
+fn js_tools() {
+    if !have("node") {
+        println!("note: node not installed, skipping");
+        return;
+    }
+    let mut r = Runner::start();
+    let code = r#"console.log(await add({a: 1, b: 2}));
+console.log(await codemode.add({a: 2, b: 3}));
+console.log(await Promise.all([add({a: 1, b: 1}), add({a: 2, b: 2})]));
+try { await add({a: 1}); } catch (e) { console.log(e instanceof ToolError, e.name, e.message); }
+console.log(typeof module.exports, this === module.exports);
+await add({a: 1});
+"#;
+    let (tr, resp) = r.drive(1, tool_req(Language::Js, code), add);
+    assert_eq!(
+        tr.text(Stream::Stdout),
+        "3\n5\n[ 2, 4 ]\ntrue ToolError need a and b\nobject true\n",
+        "{tr:?}"
+    );
+    assert_eq!(tr.calls.len(), 6);
+    // An error that escapes: reported like node does, exit code 1.
+    assert_eq!(resp.exit_code, Some(1));
+    let err = tr.text(Stream::Stderr);
+    assert!(err.starts_with("ToolError: need a and b\n    at "), "{err}");
+
+    // A tool named like a global keeps the global and gets a suffix; codemode has it as is.
+    let mut rq = tool_req(
+        Language::Js,
+        "console.log(typeof setTimeout === 'function' && setTimeout !== codemode.setTimeout, await setTimeout_tool({a: 1, b: 1}))",
+    );
+    rq.tools[0].name = "setTimeout".into();
+    let (tr, _) = r.drive(2, rq, |c| {
+        add(&ToolCall {
+            name: "add".into(),
+            ..c.clone()
+        })
+    });
+    assert_eq!(tr.text(Stream::Stdout), "true 2\n", "{tr:?}");
+    assert_eq!(tr.calls[0].name, "setTimeout");
+}
+
+#[test]
+fn ts_tools() {
+    if !have("node") || !have("esbuild") {
+        println!("note: node or esbuild not installed, skipping");
+        return;
+    }
+    let mut r = Runner::start();
+    let code = "import * as path from 'path';\nconst n: number = await add({a: 1, b: 2});\nconsole.log(n, path.basename('/a/b'), typeof require('fs').readFileSync);";
+    let (tr, resp) = r.drive(1, tool_req(Language::Ts, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    assert_eq!(tr.text(Stream::Stdout), "3 b function\n");
+}
+
+fn have_matplotlib() -> bool {
+    Command::new("python3")
+        .args(["-c", "import matplotlib"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn py_plt_show_sends_display_frames_when_streaming() {
+    let Some(mut r) = python_runner() else { return };
+    if !have_matplotlib() {
+        println!("note: matplotlib not installed, skipping");
+        return;
+    }
+    let code = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.figure()\nplt.plot([2, 1])\nplt.show()\nprint('shown')";
+    let mut rq = req(Language::Py, code);
+    rq.stream = true;
+    rq.timeout_ms = 60_000;
+    let (tr, resp) = r.drive(1, rq, |_| None);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    let names: Vec<_> = tr.displays.iter().map(|d| d.name.as_deref()).collect();
+    assert_eq!(names, [Some("plot-1.png"), Some("plot-2.png")], "{tr:?}");
+    assert!(tr
+        .displays
+        .iter()
+        .all(|d| d.mime == "image/png" && d.data.is_none()));
+    assert!(r.workdir().join("plot-2.png").exists());
+
+    // Without streaming, no display frames (the files are there all the same).
+    let resp = r.exec(2, req(Language::Py, "plt.plot([1]); plt.show()"));
+    assert_eq!(resp.exit_code, Some(0), "{resp:?}");
+    assert!(r.workdir().join("plot-3.png").exists());
+}
+
+#[test]
+fn streamed_output_is_sent_at_once() {
+    let Some(mut r) = python_runner() else { return };
+    r.exec(1, req(Language::Py, "import time"));
+    let mut cases = vec![
+        (Language::Py, "print('a')\ntime.sleep(1)\nprint('b')"),
+        (Language::Bash, "echo a; sleep 1; echo b"),
+    ];
+    if have("node") {
+        cases.push((
+            Language::Js,
+            "console.log('a'); setTimeout(() => console.log('b'), 1000);",
+        ));
+    }
+    for (i, (lang, code)) in cases.into_iter().enumerate() {
+        let mut rq = req(lang, code);
+        rq.stream = true;
+        let (tr, resp) = r.drive(10 + i as u64, rq, |_| None);
+        assert_eq!(resp.exit_code, Some(0), "{lang}: {tr:?}");
+        assert_eq!(tr.text(Stream::Stdout), "a\nb\n", "{lang}");
+        let first = tr.stdout_at[0];
+        println!(
+            "{lang}: first chunk after {first:?}, exec took {} ms",
+            resp.duration_ms
+        );
+        assert!(first < Duration::from_millis(700), "{lang}: {first:?}");
+        assert!(resp.duration_ms >= 1000);
+        assert!(tr.stdout_at.len() >= 2, "{lang}: {tr:?}");
+    }
+}
+
+#[test]
+fn tool_round_trip_inside_the_runner() {
+    if kernel_script().is_none() {
+        return;
+    }
+    // The runner reports the calls' mean times on its stderr.
+    let mut r = Runner::start_with(&[("CODEBROKER_TOOL_TRACE", "1")]);
+    let code = "for i in range(50):\n    await add(a=i, b=1)";
+    let (tr, resp) = r.drive(1, tool_req(Language::Py, code), add);
+    assert_eq!(resp.exit_code, Some(0), "{tr:?}");
+    assert_eq!(tr.calls.len(), 50);
+    let t = Instant::now();
+    let code = "for i in $(seq 20); do add '{\"a\":1,\"b\":1}' >/dev/null; done";
+    let (tr, _) = r.drive(2, tool_req(Language::Bash, code), add);
+    assert_eq!(tr.calls.len(), 20);
+    println!("bash tool call, whole command: {:?}", t.elapsed() / 20);
 }
