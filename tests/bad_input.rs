@@ -15,7 +15,10 @@ async fn bad_requests_get_clear_errors() {
 
     let (status, body) = broker.exec(json!({ "lang": "py" })).await;
     assert!(status == 400 || status == 422, "{status}");
-    assert!(body["message"].as_str().unwrap_or("").contains("code"), "{body}");
+    assert!(
+        body["message"].as_str().unwrap_or("").contains("code"),
+        "{body}"
+    );
 
     let (status, _) = broker.exec(json!({ "lang": "py", "code": 5 })).await;
     assert!(status == 400 || status == 422, "{status}");
@@ -54,7 +57,13 @@ async fn keys_are_required_when_configured() {
     })
     .await;
     let body = json!({ "lang": "bash", "code": "echo ok" });
-    let none = broker.client.post(broker.url("/exec")).json(&body).send().await.expect("send");
+    let none = broker
+        .client
+        .post(broker.url("/exec"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
     assert_eq!(none.status(), 401);
     let json: Value = none.json().await.expect("json");
     assert_eq!(json["error"], "unauthorized");
@@ -105,7 +114,8 @@ async fn health_and_libraries() {
     let py = libs["py"]["packages"].as_array().expect("py packages");
     for want in ["numpy", "pandas", "matplotlib"] {
         assert!(
-            py.iter().any(|p| p["name"].as_str().map(|n| n.eq_ignore_ascii_case(want)) == Some(true)),
+            py.iter()
+                .any(|p| p["name"].as_str().map(|n| n.eq_ignore_ascii_case(want)) == Some(true)),
             "{want} missing"
         );
     }
