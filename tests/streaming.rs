@@ -127,3 +127,35 @@ async fn a_client_that_disconnects_stops_the_exec() {
         .await;
     assert_eq!(stdout(&check).trim(), "stopped", "{check}");
 }
+
+#[tokio::test]
+async fn figures_arrive_as_display_events() {
+    let broker = TestBroker::start("display").await;
+    let started = Instant::now();
+    let resp = broker
+        .client
+        .post(broker.url("/exec/stream"))
+        .json(&json!({
+            "lang": "py",
+            "code": "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()\nprint('after')",
+        }))
+        .send()
+        .await
+        .expect("send");
+    let events = sse_events(resp, started).await;
+    let display = events
+        .iter()
+        .find(|(n, _, _)| n == "display")
+        .expect("a display event");
+    let data: Value = serde_json::from_str(&display.1).expect("display json");
+    assert_eq!(data["mime"], "image/png");
+    assert!(
+        data["name"].as_str().is_some_and(|n| n.ends_with(".png")),
+        "{data}"
+    );
+    use base64::Engine as _;
+    let png = base64::engine::general_purpose::STANDARD
+        .decode(data["data"].as_str().expect("inline data"))
+        .expect("base64");
+    assert!(png.starts_with(b"\x89PNG"));
+}
