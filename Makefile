@@ -7,7 +7,7 @@
 IMAGE ?= codebroker-sandbox:latest
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint librechat-test
+.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -19,12 +19,18 @@ test: image
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p sandbox-runner --tests
 	$(CARGO) test -p codebroker --tests -- --test-threads=4
+	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
 
 # The real LibreChat client (@librechat/agents, three generations) and LibreChat's file
 # flows against the debug broker binary; ends with node's test summary.
 librechat-test:
 	$(CARGO) build -p codebroker && cd tests/librechat && npm ci --no-audit --no-fund && npm test
+
+# The LobeChat plugin checked by LobeChat's own code: the manifest against the SDK's
+# pluginManifestSchema, runCode through its plugin gateway, against the debug broker binary.
+lobe-test:
+	$(CARGO) build -p codebroker && cd tests/lobe && npm ci --no-audit --no-fund && npm test
 
 bench: image
 	$(CARGO) bench -p codebroker --bench exec

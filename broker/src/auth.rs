@@ -134,7 +134,7 @@ fn header_key(headers: &HeaderMap) -> Option<&str> {
 
 /// Compares without an early exit on the first differing byte, so timing does not
 /// reveal how much of a key was right.
-fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> bool {
+pub(crate) fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> bool {
     let mut ok = false;
     for key in keys {
         let (a, b) = (key.as_bytes(), given.as_bytes());

@@ -193,6 +193,27 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value_t = 0)]
     pub max_containers: usize,
 
+    /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
+    /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
+    /// URL, start with it.
+    #[arg(
+        long,
+        env = "CODEBROKER_PUBLIC_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub public_url: String,
+
+    /// `Host` header values `/mcp` accepts (`name` or `name:port`), comma-separated, against
+    /// DNS rebinding; the host of CODEBROKER_PUBLIC_URL is always accepted, and `*` accepts
+    /// any. Add the name clients use (a compose service name, a proxy's host).
+    #[arg(
+        long,
+        env = "CODEBROKER_MCP_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        default_value = "localhost,127.0.0.1,::1"
+    )]
+    pub mcp_allowed_hosts: Vec<String>,
+
     /// Log format: `text` or `json`.
     #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
@@ -225,6 +246,9 @@ impl Config {
         }
         if self.cpus.is_nan() || self.cpus <= 0.0 {
             return Err("CODEBROKER_CPUS must be above 0".into());
+        }
+        if !(self.public_url.starts_with("http://") || self.public_url.starts_with("https://")) {
+            return Err("CODEBROKER_PUBLIC_URL must start with http:// or https://".into());
         }
         Ok(())
     }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod http;
 pub mod ids;
 pub mod jwt;
+pub mod mcp;
 pub mod ratelimit;
 pub mod sandbox;
 pub mod session;
@@ -67,10 +68,15 @@ pub async fn run(
     ));
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop_rx.clone()));
 
-    let app = http::router(http::AppState::new(broker.clone()));
+    let state = http::AppState::new(broker.clone());
+    let stopping = state.shutdown.clone();
+    let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            stopping.cancel();
+        })
         .await;
 
     let _ = stop_tx.send(true);

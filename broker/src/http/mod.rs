@@ -4,6 +4,7 @@
 pub mod exec;
 pub mod files;
 pub mod health;
+pub mod lobe;
 pub mod programmatic;
 
 use crate::auth::require_auth;
@@ -22,6 +23,9 @@ pub struct AppState {
     pub broker: Arc<Broker>,
     /// Programmatic runs waiting for their clients' tool results.
     pub runs: Arc<programmatic::Runs>,
+    /// Cancelled when the server stops: ends open MCP streams, which would otherwise hold
+    /// up the graceful shutdown.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -29,6 +33,7 @@ impl AppState {
         AppState {
             broker,
             runs: Arc::default(),
+            shutdown: tokio_util::sync::CancellationToken::new(),
         }
     }
 }
@@ -40,13 +45,15 @@ pub fn router(state: AppState) -> Router {
         .merge(programmatic::router())
         .merge(files::router())
         .merge(health::protected_router())
+        .merge(crate::mcp::router(&state))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_auth,
         ));
     let routes: Router<AppState> = Router::new()
         .merge(protected)
-        .merge(health::public_router());
+        .merge(health::public_router())
+        .merge(lobe::router(&state));
     let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
     Router::new()
         .merge(routes.clone())

@@ -1,0 +1,315 @@
+//! LobeChat plugin (API.md, "LobeChat plugin"): `GET /lobe/manifest.json`, public, and
+//! `POST /lobe/run`, which LobeChat's plugin gateway calls with the model's arguments as
+//! the raw body (a string, so `text/plain`) and the user's plugin settings as JSON in the
+//! `X-Lobe-Plugin-Settings` header. The answer is markdown the model reads.
+//!
+//! The manifest follows `pluginManifestSchema` of `@lobehub/chat-plugin-sdk` (zod): `api`
+//! entries `{name, description, parameters: {type: "object", properties, required?}, url?}`,
+//! `identifier`, `meta {avatar?, description?, tags?, title?}`, `settings` of the same
+//! object-schema shape, optional `systemRole`, `type`, `author`, `homepage`, `version: "1"`.
+
+use super::exec::ExecBody;
+use super::{ApiJson, AppState};
+use crate::auth::{key_matches, require_auth, Caller};
+use crate::config::{AuthMode, Config};
+use crate::error::{AppError, AppResult};
+use crate::mcp::{download_url, inline_image_mime};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use sandbox_runner::Language;
+use serde_json::{json, Value};
+
+/// The header LobeChat's gateway sends the user's plugin settings in.
+const SETTINGS_HEADER: &str = "x-lobe-plugin-settings";
+/// The settings field holding the broker's API key.
+const SETTINGS_KEY_FIELD: &str = "apiKey";
+
+/// The manifest (public) and the run route (its own auth: the settings key, or the usual).
+pub fn router(state: &AppState) -> Router<AppState> {
+    let run = Router::new().route("/lobe/run", post(run)).route_layer(
+        axum::middleware::from_fn_with_state(state.clone(), lobe_auth),
+    );
+    Router::new()
+        .route("/lobe/manifest.json", get(manifest))
+        .merge(run)
+}
+
+/// Accepts the API key from the plugin settings header; without a matching one, the usual
+/// credentials (`X-API-Key`, `Authorization`) are checked as on every other route.
+async fn lobe_auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let config = &state.broker.config;
+    if config.auth == AuthMode::None {
+        return next.run(request).await;
+    }
+    if settings_key(request.headers()).is_some_and(|key| key_matches(config.api_keys(), &key)) {
+        return next.run(request).await;
+    }
+    require_auth(State(state), request, next).await
+}
+
+/// The API key in `X-Lobe-Plugin-Settings` (`{"apiKey": "..."}`), when there is one.
+fn settings_key(headers: &HeaderMap) -> Option<String> {
+    let raw = headers.get(SETTINGS_HEADER)?.to_str().ok()?;
+    let settings: Value = serde_json::from_str(raw).ok()?;
+    let key = settings.get(SETTINGS_KEY_FIELD)?.as_str()?.trim();
+    (!key.is_empty()).then(|| key.to_string())
+}
+
+/// The plugin manifest, built from the configuration (URLs, whether a key is required).
+pub fn manifest_json(config: &Config) -> Value {
+    let public_url = config.public_url.trim_end_matches('/');
+    let langs: Vec<&str> = Language::ALL.iter().map(|l| l.as_str()).collect();
+    let mut settings = json!({
+        "type": "object",
+        "properties": {
+            SETTINGS_KEY_FIELD: {
+                "type": "string",
+                "title": "API key",
+                "description": "The codebroker API key (CODEBROKER_API_KEY of the broker)",
+                "format": "password",
+            }
+        }
+    });
+    if config.auth == AuthMode::Key {
+        settings["required"] = json!([SETTINGS_KEY_FIELD]);
+    }
+    json!({
+        "identifier": "codebroker",
+        "version": "1",
+        "type": "default",
+        "author": "codebroker",
+        "homepage": public_url,
+        "meta": {
+            "title": "Code interpreter",
+            "avatar": "🧑‍💻",
+            "description": "Run code in a sandbox (Python with plotting, JavaScript, TypeScript, \
+    C, C++, Java, Go, Rust, R, Bash and more): output, images and files come back.",
+            "tags": ["code", "python", "interpreter", "sandbox"],
+        },
+        "systemRole": "runCode runs code in a sandbox without network. Files are read and \
+    written in /mnt/data. Each answer names a session_id: pass it to the next runCode call to \
+    keep variables and files. Show the images of the answer to the user with their markdown.",
+        "api": [{
+            "name": "runCode",
+            "description": "Run code and get its stdout, stderr, images and file links as \
+    markdown. Matplotlib figures shown with plt.show() come back as images. Pass the session_id \
+    of the previous answer to keep variables and files.",
+            "url": format!("{public_url}/lobe/run"),
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "lang": {
+                        "type": "string",
+                        "enum": langs,
+                        "description": "The language: py for Python, js, ts, c, cpp, java, \
+    php, rs (Rust), go, d, f90 (Fortran), r or bash",
+                    },
+                    "code": {
+                        "type": "string",
+                        "description": "The program; its working directory is /mnt/data",
+                    },
+                    "session_id": {
+                        "type": "string",
+                        "description": "The session_id of the previous answer, to keep its \
+    variables and files; leave it out the first time",
+                    },
+                },
+                "required": ["lang", "code"],
+            },
+        }],
+        "settings": settings,
+    })
+}
+
+async fn manifest(State(state): State<AppState>) -> Json<Value> {
+    Json(manifest_json(&state.broker.config))
+}
+
+/// Runs the arguments (an `/exec` body: `lang`, `code`, `session_id`, ...) and answers
+/// markdown.
+async fn run(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<ExecBody>,
+) -> AppResult<Response> {
+    let (choice, input) = body.into_parts(&caller)?;
+    let broker = state.broker.clone();
+    broker.limits.check_exec(choice.user.as_deref())?;
+    let session = broker.choose_session(&choice, &input.files).await?;
+    let exec_broker = broker.clone();
+    let output =
+        tokio::spawn(async move { exec_broker.exec(session, input, Default::default()).await })
+            .await
+            .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
+    let text = markdown(&output, &broker.config.public_url);
+    Ok((
+        [(header::CONTENT_TYPE, "text/markdown; charset=utf-8")],
+        text,
+    )
+        .into_response())
+}
+
+/// The answer: output in fenced blocks, images as `![](url)`, other files as links, and
+/// the session to pass next time.
+fn markdown(output: &crate::broker::ExecOutput, public_url: &str) -> String {
+    let mut md = String::new();
+    if !output.stdout.is_empty() {
+        md.push_str("stdout:\n\n");
+        md.push_str(&fenced(&output.stdout));
+    }
+    if !output.stderr.is_empty() {
+        md.push_str("stderr:\n\n");
+        md.push_str(&fenced(&output.stderr));
+    }
+    if md.is_empty() {
+        md.push_str("(no output)\n\n");
+    }
+    match output.exit_code {
+        Some(0) => {}
+        Some(code) => md.push_str(&format!("Exit code: {code}\n\n")),
+        None => md.push_str("The program did not finish.\n\n"),
+    }
+    if !output.limits.is_empty() {
+        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
+        md.push_str(&format!("Limits hit: {}\n\n", limits.join(", ")));
+    }
+    let (images, others): (Vec<_>, Vec<_>) = output
+        .files
+        .iter()
+        .partition(|f| inline_image_mime(&f.name).is_some());
+    for image in images {
+        let url = download_url(public_url, &output.session_id, &image.id);
+        md.push_str(&format!("![{}]({url})\n\n", link_text(&image.name)));
+    }
+    if !others.is_empty() {
+        md.push_str("Files:\n\n");
+        for file in others {
+            let url = download_url(public_url, &output.session_id, &file.id);
+            md.push_str(&format!(
+                "- [{}]({url}) ({} bytes)\n",
+                link_text(&file.name),
+                file.size
+            ));
+        }
+        md.push('\n');
+    }
+    md.push_str(&format!(
+        "session_id: `{}` (pass it as session_id in the next runCode call to keep variables \
+and files)\n",
+        output.session_id
+    ));
+    md
+}
+
+/// A fenced code block whose fence is longer than any run of backticks in `text`.
+fn fenced(text: &str) -> String {
+    let mut longest = 0;
+    let mut run = 0;
+    for c in text.chars() {
+        if c == '`' {
+            run += 1;
+            longest = longest.max(run);
+        } else {
+            run = 0;
+        }
+    }
+    let fence = "`".repeat(longest.max(2) + 1);
+    let newline = if text.ends_with('\n') { "" } else { "\n" };
+    format!("{fence}text\n{text}{newline}{fence}\n\n")
+}
+
+/// A file name as markdown link text: brackets and backslashes escaped.
+fn link_text(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if matches!(c, '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workspace::{FileRecord, Origin};
+
+    #[test]
+    fn fences_outgrow_the_backticks_inside() {
+        assert_eq!(fenced("hi\n"), "```text\nhi\n```\n\n");
+        assert_eq!(fenced("a ```` b"), "`````text\na ```` b\n`````\n\n");
+    }
+
+    #[test]
+    fn settings_key_from_the_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(settings_key(&h), None);
+        h.insert(SETTINGS_HEADER, r#"{"apiKey":" k1 "}"#.parse().unwrap());
+        assert_eq!(settings_key(&h).as_deref(), Some("k1"));
+        h.insert(SETTINGS_HEADER, r#"{"apiKey":""}"#.parse().unwrap());
+        assert_eq!(settings_key(&h), None);
+        h.insert(SETTINGS_HEADER, "not json".parse().unwrap());
+        assert_eq!(settings_key(&h), None);
+    }
+
+    fn record(name: &str) -> FileRecord {
+        FileRecord {
+            id: format!("{name:_>21}").chars().take(21).collect(),
+            name: name.into(),
+            size: 3,
+            sha256: String::new(),
+            created_ms: 0,
+            stamp: Default::default(),
+            current: true,
+            origin: Origin::Generated,
+            read_only: false,
+            kind: None,
+            modified_from: None,
+        }
+    }
+
+    #[test]
+    fn markdown_has_output_images_links_and_session() {
+        let output = crate::broker::ExecOutput {
+            session_id: "S".repeat(21),
+            stdout: "42\n".into(),
+            stderr: String::new(),
+            files: vec![record("plot.png"), record("out[1].csv")],
+            runtime_status: sandbox_runner::RuntimeStatus::New,
+            exit_code: Some(0),
+            duration_ms: 1,
+            limits: vec![],
+        };
+        let md = markdown(&output, "https://x.example/");
+        let s = "S".repeat(21);
+        assert!(md.starts_with("stdout:\n\n```text\n42\n```\n"), "{md}");
+        assert!(
+            md.contains(&format!(
+                "![plot.png](https://x.example/download/{s}/{})",
+                output.files[0].id
+            )),
+            "{md}"
+        );
+        assert!(
+            md.contains("- [out\\[1\\].csv](https://x.example/download/"),
+            "{md}"
+        );
+        assert!(md.contains(&format!("session_id: `{s}`")), "{md}");
+    }
+
+    #[test]
+    fn manifest_requires_a_key_only_under_key_auth() {
+        let mut config = Config::for_tests("/tmp".into(), "t");
+        let m = manifest_json(&config);
+        assert!(m["settings"].get("required").is_none());
+        assert_eq!(m["api"][0]["url"], "http://127.0.0.1:8000/lobe/run");
+        config.auth = AuthMode::Key;
+        let m = manifest_json(&config);
+        assert_eq!(m["settings"]["required"], json!(["apiKey"]));
+    }
+}

@@ -1,0 +1,689 @@
+//! MCP over streamable HTTP at `/mcp` (API.md, "MCP"), with the official SDK `rmcp`.
+//!
+//! Tools: `execute_code`, `upload_file`, `list_files`, `read_file`. The route sits behind the
+//! same auth as the rest of the API; the caller (a JWT's user, or the one an API-key caller
+//! names) comes from the HTTP request, which rmcp hands to each tool call.
+//!
+//! Sessions: an explicit `session_id` argument wins; else the codebroker session this MCP
+//! session used last. rmcp makes one handler value per MCP session (at `initialize`), so
+//! that handler's own field is the map from MCP session to codebroker session, and it goes
+//! away with the MCP session. Clients on the session-less protocol (2026-07-28) get a new
+//! codebroker session per call unless they pass `session_id`, which every result names.
+
+use crate::auth::Caller;
+use crate::broker::{Broker, ExecHooks, ExecInput, ExecOutput, SessionChoice};
+use crate::error::AppError;
+use crate::http::exec::output_json;
+use crate::http::files::visible_session;
+use crate::http::AppState;
+use crate::ids::{is_valid_id, new_id};
+use crate::session::Session;
+use crate::storage::{StagedFile, UploadOptions};
+use crate::workspace::{content_type, FileRecord};
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use axum::Router;
+use base64::Engine as _;
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, ContentBlock, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::service::RequestContext;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler};
+use sandbox_runner::Language;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// An MCP session with no traffic for this long is closed (rmcp's default is 5 minutes,
+/// shorter than a pause in a conversation); its client then starts a new one.
+const MCP_SESSION_IDLE: Duration = Duration::from_secs(3600);
+/// Largest image sent inline as an `image` block; larger ones are links.
+pub const MAX_INLINE_IMAGE_BYTES: u64 = 5 * 1024 * 1024;
+/// Largest text file `read_file` returns inline; larger ones are links.
+const MAX_INLINE_TEXT_BYTES: u64 = 1024 * 1024;
+
+/// What the server tells clients at `initialize`.
+const INSTRUCTIONS: &str = "codebroker runs code in a locked-down sandbox with no network. \
+Files live in /mnt/data (the working directory) and persist across calls in the same session; \
+Python keeps its variables between calls too. Every result names its session_id: calls \
+without session_id continue this connection's session, and passing a session_id continues \
+that session.";
+
+/// `/mcp`, served by rmcp's streamable HTTP transport; `router()` in `http` puts the auth
+/// layer around it.
+pub fn router(state: &AppState) -> Router<AppState> {
+    Router::new().route_service("/mcp", service(state))
+}
+
+/// The rmcp service: one [`CodeTools`] per MCP session.
+pub fn service(state: &AppState) -> StreamableHttpService<CodeTools, LocalSessionManager> {
+    let config = &state.broker.config;
+    let mut sessions = LocalSessionManager::default();
+    sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
+    let mut http = StreamableHttpServerConfig::default()
+        .with_cancellation_token(state.shutdown.child_token())
+        .with_max_request_body_bytes(config.max_body_mb * 1024 * 1024);
+    let hosts = allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
+    http = match hosts {
+        None => http.disable_allowed_hosts(),
+        Some(hosts) => http.with_allowed_hosts(hosts),
+    };
+    let state = state.clone();
+    StreamableHttpService::new(
+        move || Ok(CodeTools::new(state.clone())),
+        Arc::new(sessions),
+        http,
+    )
+}
+
+/// The `Host` values to accept: the configured ones plus the public URL's host; `None`
+/// (any) when the list holds `*`.
+fn allowed_hosts(configured: &[String], public_url: &str) -> Option<Vec<String>> {
+    let mut hosts: Vec<String> = configured
+        .iter()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .collect();
+    if hosts.iter().any(|h| h == "*") {
+        return None;
+    }
+    let authority = public_url
+        .split_once("://")
+        .map_or(public_url, |(_, rest)| rest)
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default();
+    let authority = authority.rsplit('@').next().unwrap_or(authority);
+    if !authority.is_empty() {
+        hosts.push(authority.to_string());
+    }
+    Some(hosts)
+}
+
+/// The absolute URL a file version downloads from.
+pub fn download_url(public_url: &str, session_id: &str, file_id: &str) -> String {
+    format!(
+        "{}/download/{session_id}/{file_id}",
+        public_url.trim_end_matches('/')
+    )
+}
+
+/// The MIME type of an image clients can show inline, or `None` for other files.
+pub fn inline_image_mime(name: &str) -> Option<&'static str> {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    match content_type(base) {
+        mime @ ("image/png" | "image/jpeg" | "image/gif" | "image/webp") => Some(mime),
+        _ => None,
+    }
+}
+
+/// `execute_code` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ExecuteCodeArgs {
+    /// Language: py, js, ts, c, cpp, java, php, rs, go, d, f90, r or bash (python,
+    /// javascript, typescript, sh and the like work too).
+    pub lang: String,
+    /// The program. Its working directory is /mnt/data, where uploaded files are and where
+    /// files it writes are collected; matplotlib figures shown with plt.show() come back as
+    /// images.
+    pub code: String,
+    /// The session_id of an earlier result, to run in that session (its files, and Python's
+    /// variables). Leave it out to continue this connection's session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Command-line arguments for the program.
+    #[serde(default)]
+    pub args: Option<Vec<String>>,
+}
+
+/// `upload_file` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct UploadFileArgs {
+    /// The session to put the file in; leave it out for this connection's session (a new
+    /// one when there is none yet).
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// File name, relative to /mnt/data (subfolders allowed, e.g. data/in.csv).
+    pub name: String,
+    /// The file's bytes, base64-encoded.
+    pub content_base64: String,
+}
+
+/// `list_files` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ListFilesArgs {
+    /// The session whose files to list; leave it out for this connection's session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+}
+
+/// `read_file` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ReadFileArgs {
+    /// The session holding the file; leave it out for this connection's session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// The file's name as listed, relative to /mnt/data (a /mnt/data/ prefix is accepted).
+    pub name: String,
+}
+
+/// The MCP server of one MCP session.
+#[derive(Clone)]
+pub struct CodeTools {
+    /// The broker and the HTTP layer's shared state.
+    state: AppState,
+    /// The codebroker session this MCP session works in, once it has one; the lock is held
+    /// while a session is chosen, so concurrent first calls do not make two.
+    session: Arc<tokio::sync::Mutex<Option<String>>>,
+    /// The tools, as `#[tool_router]` collects them.
+    tool_router: ToolRouter<CodeTools>,
+}
+
+#[tool_router]
+impl CodeTools {
+    fn new(state: AppState) -> CodeTools {
+        CodeTools {
+            state,
+            session: Arc::default(),
+            tool_router: Self::tool_router(),
+        }
+    }
+
+    #[tool(
+        description = "Run code in a sandbox (no network) and get its stdout and stderr, the \
+images it made (PNG/JPEG inline) and download links for other files it wrote in /mnt/data. \
+Languages: py, js, ts, c, cpp, java, php, rs, go, d, f90, r, bash. The result names a \
+session_id: calls without session_id continue this connection's session (same files; Python \
+keeps variables), and passing that session_id continues it from anywhere."
+    )]
+    async fn execute_code(
+        &self,
+        Parameters(args): Parameters<ExecuteCodeArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = caller_of(&ctx).await;
+        Ok(self
+            .execute(args, &caller, ctx.ct.clone())
+            .await
+            .unwrap_or_else(tool_error))
+    }
+
+    #[tool(
+        description = "Put a file (base64 content) into a session's /mnt/data, where code run \
+with execute_code finds it. Without session_id it goes to this connection's session. The \
+result names the session_id to pass to later calls."
+    )]
+    async fn upload_file(
+        &self,
+        Parameters(args): Parameters<UploadFileArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = caller_of(&ctx).await;
+        Ok(self.upload(args, &caller).await.unwrap_or_else(tool_error))
+    }
+
+    #[tool(
+        description = "List the files in a session's /mnt/data (uploaded and generated), with \
+sizes and download links. Pass the session_id from an earlier result, or leave it out for \
+this connection's session."
+    )]
+    async fn list_files(
+        &self,
+        Parameters(args): Parameters<ListFilesArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = caller_of(&ctx).await;
+        Ok(self.list(args, &caller).await.unwrap_or_else(tool_error))
+    }
+
+    #[tool(
+        description = "Read one file of a session by name: images come back as images, UTF-8 \
+text as text, anything else as a download link. Pass the session_id from an earlier result, \
+or leave it out for this connection's session."
+    )]
+    async fn read_file(
+        &self,
+        Parameters(args): Parameters<ReadFileArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = caller_of(&ctx).await;
+        Ok(self.read(args, &caller).await.unwrap_or_else(tool_error))
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for CodeTools {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(
+                Implementation::new("codebroker", env!("CARGO_PKG_VERSION"))
+                    .with_title("codebroker code interpreter"),
+            )
+            .with_instructions(INSTRUCTIONS)
+    }
+}
+
+/// The caller of a tool call, from the HTTP request rmcp attached to it (the auth layer
+/// has already checked its credentials and put a JWT's user in its extensions).
+async fn caller_of(ctx: &RequestContext<RoleServer>) -> Caller {
+    let Some(parts) = ctx.extensions.get::<Parts>() else {
+        return Caller::default();
+    };
+    let mut parts = parts.clone();
+    Caller::from_request_parts(&mut parts, &())
+        .await
+        .unwrap_or_default()
+}
+
+/// A failed call as the model sees it: the API's message (internal details stay in the log).
+fn tool_error(err: AppError) -> CallToolResult {
+    let message = err.body()["message"]
+        .as_str()
+        .unwrap_or("the call failed")
+        .to_string();
+    CallToolResult::error(vec![ContentBlock::text(format!("Error: {message}"))])
+}
+
+/// A session id argument, blanks dropped and its shape checked.
+fn session_arg(arg: Option<&str>) -> Result<Option<String>, AppError> {
+    match arg.map(str::trim).filter(|s| !s.is_empty()) {
+        None => Ok(None),
+        Some(id) if is_valid_id(id) => Ok(Some(id.to_string())),
+        Some(id) => Err(AppError::BadRequest(format!("invalid session_id: {id:?}"))),
+    }
+}
+
+/// A file's bytes from the session's blob store.
+async fn read_blob(session: &Session, record: &FileRecord) -> Result<Vec<u8>, AppError> {
+    tokio::fs::read(session.workspace.blob_path(&record.sha256))
+        .await
+        .map_err(|_| AppError::NotFound(format!("file {:?} not found", record.name)))
+}
+
+impl CodeTools {
+    fn broker(&self) -> &Arc<Broker> {
+        &self.state.broker
+    }
+
+    fn public_url(&self) -> &str {
+        &self.broker().config.public_url
+    }
+
+    /// The session named by the argument, else this MCP session's; `None` when neither.
+    async fn remembered_or(&self, arg: Option<&str>) -> Result<Option<String>, AppError> {
+        match session_arg(arg)? {
+            Some(id) => Ok(Some(id)),
+            None => Ok(self.session.lock().await.clone()),
+        }
+    }
+
+    async fn execute(
+        &self,
+        args: ExecuteCodeArgs,
+        caller: &Caller,
+        cancel: CancellationToken,
+    ) -> Result<CallToolResult, AppError> {
+        let lang: Language = args
+            .lang
+            .parse()
+            .map_err(|_| AppError::UnsupportedLanguage(args.lang.clone()))?;
+        let user = caller.user.clone();
+        let broker = self.broker().clone();
+        broker.limits.check_exec(user.as_deref())?;
+        let explicit = session_arg(args.session_id.as_deref())?;
+        let session = {
+            let mut remembered = self.session.lock().await;
+            let choice = SessionChoice {
+                user,
+                session_id: explicit.or_else(|| remembered.clone()),
+                ..SessionChoice::default()
+            };
+            let session = broker.choose_session(&choice, &[]).await?;
+            *remembered = Some(session.id().to_string());
+            session
+        };
+        let input = ExecInput {
+            lang,
+            code: args.code,
+            args: args.args.unwrap_or_default(),
+            timeout_ms: None,
+            files: Vec::new(),
+        };
+        let hooks = ExecHooks {
+            cancel: Some(cancel),
+            ..ExecHooks::default()
+        };
+        let exec_session = session.clone();
+        // A task of its own: the session's turn is released properly even if the client
+        // goes away half-way.
+        let output = tokio::spawn(async move { broker.exec(exec_session, input, hooks).await })
+            .await
+            .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
+        self.exec_result(&session, &output).await
+    }
+
+    /// `execute_code`'s result: output text, images inline, links to other files, the
+    /// `/exec` response as structured content, and `isError` when the code failed.
+    async fn exec_result(
+        &self,
+        session: &Session,
+        output: &ExecOutput,
+    ) -> Result<CallToolResult, AppError> {
+        let failed = output.exit_code != Some(0) || !output.limits.is_empty();
+        let mut text = String::new();
+        if !output.stdout.is_empty() {
+            text.push_str("stdout:\n");
+            text.push_str(&output.stdout);
+            if !output.stdout.ends_with('\n') {
+                text.push('\n');
+            }
+        }
+        if !output.stderr.is_empty() {
+            text.push_str("stderr:\n");
+            text.push_str(&output.stderr);
+            if !output.stderr.ends_with('\n') {
+                text.push('\n');
+            }
+        }
+        if text.is_empty() {
+            text.push_str("(no output)\n");
+        }
+        match output.exit_code {
+            Some(0) => {}
+            Some(code) => text.push_str(&format!("exit code: {code}\n")),
+            None => text.push_str("the program did not finish\n"),
+        }
+        if !output.limits.is_empty() {
+            let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
+            text.push_str(&format!("limits hit: {}\n", limits.join(", ")));
+        }
+        let mut content = vec![ContentBlock::text(text)];
+        let mut links = Vec::new();
+        for file in &output.files {
+            let url = download_url(self.public_url(), &output.session_id, &file.id);
+            let image =
+                inline_image_mime(&file.name).filter(|_| file.size <= MAX_INLINE_IMAGE_BYTES);
+            if let Some(mime) = image {
+                if let Ok(bytes) = read_blob(session, file).await {
+                    let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+                    content.push(ContentBlock::image(data, mime));
+                    links.push(format!(
+                        "image /mnt/data/{} ({} bytes): {url}",
+                        file.name, file.size
+                    ));
+                    continue;
+                }
+            }
+            links.push(format!(
+                "file /mnt/data/{} ({} bytes): {url}",
+                file.name, file.size
+            ));
+        }
+        links.push(format!(
+            "session_id: {} (calls without session_id continue it; pass it to continue it elsewhere)",
+            output.session_id
+        ));
+        content.push(ContentBlock::text(links.join("\n")));
+        let mut result = if failed {
+            CallToolResult::error(content)
+        } else {
+            CallToolResult::success(content)
+        };
+        result.structured_content = Some(output_json(output));
+        Ok(result)
+    }
+
+    async fn upload(
+        &self,
+        args: UploadFileArgs,
+        caller: &Caller,
+    ) -> Result<CallToolResult, AppError> {
+        let broker = self.broker().clone();
+        let name = Broker::check_upload_name(&args.name)?;
+        let bytes = decode_base64(&args.content_base64)?;
+        let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+        if bytes.len() as u64 > max_bytes {
+            return Err(AppError::PayloadTooLarge(format!(
+                "{} is larger than the upload limit of {} MiB",
+                args.name, broker.config.max_upload_mb
+            )));
+        }
+        let user = caller.user.as_deref();
+        let session = {
+            let mut remembered = self.session.lock().await;
+            let wanted = match session_arg(args.session_id.as_deref())? {
+                Some(id) => Some(id),
+                None => remembered.clone(),
+            };
+            let found = wanted
+                .as_deref()
+                .and_then(|id| broker.registry.get(id))
+                .filter(|s| s.visible_to(user));
+            let session = match found {
+                Some(s) => s,
+                None => broker.new_session(user, None, false).await?,
+            };
+            *remembered = Some(session.id().to_string());
+            session
+        };
+        let staging = broker.staging_dir();
+        tokio::fs::create_dir_all(&staging)
+            .await
+            .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
+        let temp = staging.join(new_id());
+        let staged = StagedFile {
+            name,
+            temp: temp.clone(),
+            sha256: hex::encode(Sha256::digest(&bytes)),
+            size: bytes.len() as u64,
+        };
+        let stored = match tokio::fs::write(&temp, &bytes).await {
+            Ok(()) => {
+                broker
+                    .store_uploads(&session, vec![staged], UploadOptions::default())
+                    .await
+            }
+            Err(e) => Err(AppError::internal(format!("cannot stage upload: {e}"))),
+        };
+        // Gone after a successful store (moved into the session); removed otherwise.
+        let _ = tokio::fs::remove_file(&temp).await;
+        let records = stored?;
+        let files: Vec<Value> = records
+            .iter()
+            .map(|r| {
+                json!({
+                    "id": r.id,
+                    "name": r.name,
+                    "path": format!("/mnt/data/{}", r.name),
+                    "size": r.size,
+                    "url": download_url(self.public_url(), session.id(), &r.id),
+                })
+            })
+            .collect();
+        let lines: Vec<String> = records
+            .iter()
+            .map(|r| format!("uploaded /mnt/data/{} ({} bytes)", r.name, r.size))
+            .collect();
+        let text = format!("{}\nsession_id: {}", lines.join("\n"), session.id());
+        let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+        result.structured_content = Some(json!({ "session_id": session.id(), "files": files }));
+        Ok(result)
+    }
+
+    /// The session a listing or a read is about: the argument's, else this MCP session's;
+    /// 404 when the caller may not see it.
+    async fn session_for_read(
+        &self,
+        arg: Option<&str>,
+        caller: &Caller,
+    ) -> Result<Arc<Session>, AppError> {
+        let Some(id) = self.remembered_or(arg).await? else {
+            return Err(AppError::BadRequest(
+                "no session yet: pass the session_id of an earlier result".into(),
+            ));
+        };
+        visible_session(&self.state, caller, &id)
+    }
+
+    async fn list(&self, args: ListFilesArgs, caller: &Caller) -> Result<CallToolResult, AppError> {
+        let session = self
+            .session_for_read(args.session_id.as_deref(), caller)
+            .await?;
+        let broker = self.broker();
+        let mut records: Vec<FileRecord> = session
+            .index()
+            .files
+            .iter()
+            .filter(|r| r.current && !broker.is_expired(r))
+            .cloned()
+            .collect();
+        records.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut lines: Vec<String> = records
+            .iter()
+            .map(|r| {
+                format!(
+                    "/mnt/data/{} ({} bytes): {}",
+                    r.name,
+                    r.size,
+                    download_url(self.public_url(), session.id(), &r.id)
+                )
+            })
+            .collect();
+        if lines.is_empty() {
+            lines.push("(no files)".into());
+        }
+        lines.push(format!("session_id: {}", session.id()));
+        let files: Vec<Value> = records
+            .iter()
+            .map(|r| {
+                json!({
+                    "id": r.id,
+                    "name": r.name,
+                    "path": format!("/mnt/data/{}", r.name),
+                    "size": r.size,
+                    "contentType": content_type(r.name.rsplit('/').next().unwrap_or(&r.name)),
+                    "url": download_url(self.public_url(), session.id(), &r.id),
+                })
+            })
+            .collect();
+        let mut result = CallToolResult::success(vec![ContentBlock::text(lines.join("\n"))]);
+        result.structured_content = Some(json!({ "session_id": session.id(), "files": files }));
+        Ok(result)
+    }
+
+    async fn read(&self, args: ReadFileArgs, caller: &Caller) -> Result<CallToolResult, AppError> {
+        let session = self
+            .session_for_read(args.session_id.as_deref(), caller)
+            .await?;
+        let name = args.name.trim();
+        let name = name.strip_prefix("/mnt/data/").unwrap_or(name);
+        let name = name.strip_prefix("./").unwrap_or(name);
+        let record = session
+            .index()
+            .current(name)
+            .filter(|r| !self.broker().is_expired(r))
+            .cloned()
+            .ok_or_else(|| {
+                AppError::NotFound(format!(
+                    "no file named {name:?} in session {}",
+                    session.id()
+                ))
+            })?;
+        let url = download_url(self.public_url(), session.id(), &record.id);
+        let about = format!(
+            "/mnt/data/{} ({} bytes): {url}\nsession_id: {}",
+            record.name,
+            record.size,
+            session.id()
+        );
+        if let Some(mime) = inline_image_mime(&record.name) {
+            if record.size <= MAX_INLINE_IMAGE_BYTES {
+                let bytes = read_blob(&session, &record).await?;
+                let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+                return Ok(CallToolResult::success(vec![
+                    ContentBlock::image(data, mime),
+                    ContentBlock::text(about),
+                ]));
+            }
+        } else if record.size <= MAX_INLINE_TEXT_BYTES {
+            let bytes = read_blob(&session, &record).await?;
+            if let Ok(text) = String::from_utf8(bytes) {
+                return Ok(CallToolResult::success(vec![ContentBlock::text(text)]));
+            }
+        }
+        Ok(CallToolResult::success(vec![ContentBlock::text(format!(
+            "not shown inline (binary or large); download: {about}"
+        ))]))
+    }
+}
+
+/// Base64 as models write it: standard or URL-safe alphabet, padded or not, line breaks
+/// allowed, a `data:...;base64,` prefix tolerated.
+fn decode_base64(text: &str) -> Result<Vec<u8>, AppError> {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    let text = match text.split_once(";base64,") {
+        Some((prefix, rest)) if prefix.starts_with("data:") => rest,
+        _ => text,
+    };
+    let compact: String = text.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
+        .iter()
+        .find_map(|engine| engine.decode(&compact).ok())
+        .ok_or_else(|| AppError::BadRequest("content_base64 is not valid base64".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_include_the_public_url() {
+        let configured = vec!["localhost".to_string(), " 127.0.0.1 ".to_string()];
+        assert_eq!(
+            allowed_hosts(&configured, "https://code.example.com:8443/base"),
+            Some(vec![
+                "localhost".to_string(),
+                "127.0.0.1".to_string(),
+                "code.example.com:8443".to_string()
+            ])
+        );
+        assert_eq!(allowed_hosts(&["*".to_string()], "http://x"), None);
+        // The default list is split like a comma-separated setting.
+        let config = <crate::config::Config as clap::Parser>::parse_from(["codebroker"]);
+        assert_eq!(config.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
+    }
+
+    #[test]
+    fn download_urls_are_absolute() {
+        assert_eq!(
+            download_url("http://127.0.0.1:8000/", "S", "F"),
+            "http://127.0.0.1:8000/download/S/F"
+        );
+    }
+
+    #[test]
+    fn images_by_extension() {
+        assert_eq!(inline_image_mime("charts/a.PNG"), Some("image/png"));
+        assert_eq!(inline_image_mime("x.jpeg"), Some("image/jpeg"));
+        assert_eq!(inline_image_mime("x.svg"), None);
+        assert_eq!(inline_image_mime("data.csv"), None);
+    }
+
+    #[test]
+    fn base64_variants() {
+        assert_eq!(decode_base64("aGk=").ok(), Some(b"hi".to_vec()));
+        assert_eq!(decode_base64("aGk").ok(), Some(b"hi".to_vec()));
+        assert_eq!(
+            decode_base64("data:text/plain;base64,aG\nk=").ok(),
+            Some(b"hi".to_vec())
+        );
+        assert_eq!(decode_base64("-_8").ok(), Some(vec![0xfb, 0xff]));
+        assert!(decode_base64("***").is_err());
+    }
+}

@@ -1,0 +1,450 @@
+//! MCP over streamable HTTP at `/mcp`, driven by the official Rust SDK's client (rmcp):
+//! initialize, the tool list, execute_code (output, images, failures, state kept within
+//! one MCP session), the file tools, auth and the Host check.
+
+mod common;
+
+use base64::Engine as _;
+use common::TestBroker;
+use rmcp::model::{CallToolRequestParams, CallToolResult, ClientConfig, ContentBlock};
+use rmcp::service::RunningService;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::{json, Value};
+
+type Client = RunningService<RoleClient, ClientConfig>;
+
+const KEY: &str = "mcp-test-key";
+
+/// An MCP client on the broker's `/mcp`, initialized (one MCP session).
+async fn connect(broker: &TestBroker, key: Option<&str>) -> Result<Client, String> {
+    let mut config = StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp"));
+    if let Some(key) = key {
+        config = config.auth_header(key);
+    }
+    let transport = StreamableHttpClientTransport::from_config(config);
+    ClientConfig::default()
+        .serve(transport)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
+    let Value::Object(args) = args else {
+        panic!("arguments must be an object");
+    };
+    client
+        .call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args))
+        .await
+        .unwrap_or_else(|e| panic!("{tool} failed: {e}"))
+}
+
+/// All text blocks of a result, joined.
+fn text(result: &CallToolResult) -> String {
+    result
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn structured(result: &CallToolResult) -> &Value {
+    result
+        .structured_content
+        .as_ref()
+        .expect("structuredContent")
+}
+
+#[tokio::test]
+async fn initialize_lists_the_tools() {
+    let broker = TestBroker::start("mcp-init").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let info = client.peer_info().expect("server info");
+    let server = info.server_info.as_ref().expect("serverInfo");
+    assert_eq!(server.name, "codebroker");
+    assert_eq!(info.protocol_version.as_str(), "2025-11-25");
+    assert!(info.capabilities.tools.is_some());
+    let tools = client.list_all_tools().await.expect("tools/list");
+    let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["execute_code", "list_files", "read_file", "upload_file"]
+    );
+    for tool in &tools {
+        let description = tool.description.as_deref().unwrap_or("");
+        assert!(description.contains("session_id"), "{description}");
+    }
+    let exec = tools
+        .iter()
+        .find(|t| t.name == "execute_code")
+        .expect("execute_code");
+    let schema = Value::Object((*exec.input_schema).clone());
+    assert_eq!(schema["type"], "object");
+    for field in ["lang", "code", "session_id", "args"] {
+        assert!(schema["properties"].get(field).is_some(), "{schema}");
+    }
+    let mut required: Vec<&str> = schema["required"]
+        .as_array()
+        .expect("required")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    required.sort();
+    assert_eq!(required, ["code", "lang"], "{schema}");
+    let _ = client.cancel().await;
+}
+
+#[tokio::test]
+async fn execute_code_prints_and_returns_the_exec_response() {
+    let broker = TestBroker::start("mcp-print").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "import sys\nprint('hello from mcp')\nprint('warn', file=sys.stderr)"}),
+    )
+    .await;
+    assert_eq!(result.is_error, Some(false), "{result:?}");
+    let out = text(&result);
+    assert!(out.contains("hello from mcp"), "{out}");
+    assert!(out.contains("warn"), "{out}");
+    let body = structured(&result);
+    assert_eq!(body["stdout"], "hello from mcp\n");
+    assert_eq!(body["exit_code"], 0);
+    let session = body["session_id"].as_str().expect("session_id");
+    assert_eq!(session.len(), 21);
+    assert!(out.contains(&format!("session_id: {session}")), "{out}");
+
+    // Arguments reach the program; a language alias works.
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "bash", "code": "echo \"$1-$2\"", "args": ["a", "b"]}),
+    )
+    .await;
+    assert_eq!(structured(&result)["stdout"], "a-b\n", "{result:?}");
+    let _ = client.cancel().await;
+}
+
+#[tokio::test]
+async fn a_plot_comes_back_as_an_image_block() {
+    let broker = TestBroker::start("mcp-plot").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()"}),
+    )
+    .await;
+    assert_eq!(result.is_error, Some(false), "{result:?}");
+    let images: Vec<_> = result
+        .content
+        .iter()
+        .filter_map(ContentBlock::as_image)
+        .collect();
+    assert_eq!(images.len(), 1, "{result:?}");
+    assert_eq!(images[0].mime_type, "image/png");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(&images[0].data)
+        .expect("base64");
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    // The structured response lists the file, and the text names its download URL.
+    let body = structured(&result);
+    let file = &body["files"][0];
+    assert!(
+        file["name"].as_str().unwrap_or("").ends_with(".png"),
+        "{body}"
+    );
+    let url = format!(
+        "http://127.0.0.1:8000/download/{}/{}",
+        body["session_id"].as_str().unwrap_or(""),
+        file["id"].as_str().unwrap_or("")
+    );
+    assert!(text(&result).contains(&url), "{}", text(&result));
+    let _ = client.cancel().await;
+}
+
+#[tokio::test]
+async fn failing_code_is_an_error_result() {
+    let broker = TestBroker::start("mcp-fail").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "1/0"}),
+    )
+    .await;
+    assert_eq!(result.is_error, Some(true), "{result:?}");
+    assert!(text(&result).contains("ZeroDivisionError"), "{result:?}");
+    assert_ne!(structured(&result)["exit_code"], 0);
+
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "cobol", "code": "x"}),
+    )
+    .await;
+    assert_eq!(result.is_error, Some(true), "{result:?}");
+    assert!(
+        text(&result).contains("Unsupported language: cobol"),
+        "{result:?}"
+    );
+    let _ = client.cancel().await;
+}
+
+#[tokio::test]
+async fn calls_in_one_mcp_session_share_a_session() {
+    let broker = TestBroker::start("mcp-state").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let first = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "x = 1"}),
+    )
+    .await;
+    let second = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "print(x)"}),
+    )
+    .await;
+    assert_eq!(structured(&second)["stdout"], "1\n", "{second:?}");
+    assert_eq!(
+        structured(&first)["session_id"],
+        structured(&second)["session_id"]
+    );
+
+    // Another MCP session starts elsewhere, and can join the first by session_id.
+    let other = connect(&broker, None).await.expect("connect");
+    let fresh = call(
+        &other,
+        "execute_code",
+        json!({"lang": "py", "code": "print('x' in dir())"}),
+    )
+    .await;
+    assert_eq!(structured(&fresh)["stdout"], "False\n", "{fresh:?}");
+    assert_ne!(
+        structured(&fresh)["session_id"],
+        structured(&first)["session_id"]
+    );
+    let joined = call(
+        &other,
+        "execute_code",
+        json!({"lang": "py", "code": "print(x + 1)", "session_id": structured(&first)["session_id"]}),
+    )
+    .await;
+    assert_eq!(structured(&joined)["stdout"], "2\n", "{joined:?}");
+    let _ = client.cancel().await;
+    let _ = other.cancel().await;
+}
+
+#[tokio::test]
+async fn upload_list_and_read_round_trip() {
+    let broker = TestBroker::start("mcp-files").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let csv = "a,b\n1,2\n";
+    let uploaded = call(
+        &client,
+        "upload_file",
+        json!({"name": "data/in.csv", "content_base64": base64::engine::general_purpose::STANDARD.encode(csv)}),
+    )
+    .await;
+    assert_eq!(uploaded.is_error, Some(false), "{uploaded:?}");
+    let session = structured(&uploaded)["session_id"]
+        .as_str()
+        .expect("session_id")
+        .to_string();
+
+    let listed = call(&client, "list_files", json!({"session_id": session})).await;
+    let files = structured(&listed)["files"]
+        .as_array()
+        .expect("files")
+        .clone();
+    assert_eq!(files.len(), 1, "{listed:?}");
+    assert_eq!(files[0]["name"], "data/in.csv");
+    assert_eq!(files[0]["size"], csv.len());
+    assert!(
+        text(&listed).contains("/mnt/data/data/in.csv"),
+        "{listed:?}"
+    );
+
+    let read = call(
+        &client,
+        "read_file",
+        json!({"session_id": session, "name": "/mnt/data/data/in.csv"}),
+    )
+    .await;
+    assert_eq!(text(&read), csv, "{read:?}");
+
+    // The upload is this MCP session's session: code finds the file without a session_id,
+    // and what it writes reads back too (an image as an image).
+    let ran = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "import base64\nprint(open('data/in.csv').read().count(','))\n_ = open('dot.png','wb').write(base64.b64decode('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=='))"}),
+    )
+    .await;
+    assert_eq!(structured(&ran)["session_id"], session.as_str());
+    assert_eq!(structured(&ran)["stdout"], "2\n", "{ran:?}");
+    let image = call(&client, "read_file", json!({"name": "dot.png"})).await;
+    let block = image
+        .content
+        .iter()
+        .find_map(ContentBlock::as_image)
+        .expect("image block");
+    assert_eq!(block.mime_type, "image/png");
+    let missing = call(&client, "read_file", json!({"name": "nope.txt"})).await;
+    assert_eq!(missing.is_error, Some(true), "{missing:?}");
+
+    let bad = call(
+        &client,
+        "upload_file",
+        json!({"name": "../escape.txt", "content_base64": "aGk="}),
+    )
+    .await;
+    assert_eq!(bad.is_error, Some(true), "{bad:?}");
+    let _ = client.cancel().await;
+}
+
+#[tokio::test]
+async fn mcp_needs_the_key_and_an_allowed_host() {
+    let broker = TestBroker::start_with("mcp-auth", |c| {
+        c.auth = codebroker::config::AuthMode::Key;
+        c.api_key = vec![KEY.into()];
+    })
+    .await;
+    assert!(connect(&broker, None).await.is_err());
+    assert!(connect(&broker, Some("wrong")).await.is_err());
+    let client = connect(&broker, Some(KEY)).await.expect("connect with key");
+    let result = call(
+        &client,
+        "execute_code",
+        json!({"lang": "py", "code": "print(6*7)"}),
+    )
+    .await;
+    assert_eq!(structured(&result)["stdout"], "42\n");
+    let _ = client.cancel().await;
+
+    // Plain HTTP: no credentials is 401 in the API's envelope; a foreign Host is refused.
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "curl", "version": "1"}}});
+    let resp = broker
+        .client
+        .post(broker.url("/mcp"))
+        .header("accept", "application/json, text/event-stream")
+        .json(&init)
+        .send()
+        .await
+        .expect("POST /mcp");
+    assert_eq!(resp.status(), 401);
+    let resp = broker
+        .client
+        .post(broker.url("/mcp"))
+        .header("accept", "application/json, text/event-stream")
+        .header("x-api-key", KEY)
+        .header("host", "evil.example")
+        .json(&init)
+        .send()
+        .await
+        .expect("POST /mcp");
+    assert_eq!(resp.status(), 403);
+    let resp = broker
+        .client
+        .post(broker.url("/mcp"))
+        .header("accept", "application/json, text/event-stream")
+        .header("x-api-key", KEY)
+        .json(&init)
+        .send()
+        .await
+        .expect("POST /mcp");
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers().get("mcp-session-id").is_some(),
+        "{:?}",
+        resp.headers()
+    );
+}
+
+/// A JWT as LibreChat mints it, for `sub`.
+fn jwt(sub: &str) -> String {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs();
+    let claims = json!({
+        "iss": "librechat", "aud": "codeapi", "sub": sub,
+        "iat": now, "nbf": now, "exp": now + 300, "jti": format!("{sub}-{now}"),
+    });
+    let key = EncodingKey::from_ed_pem(include_bytes!("keys/ed25519_a.pem")).expect("key");
+    let mut header = Header::new(Algorithm::EdDSA);
+    header.kid = Some("lc-ed".into());
+    encode(&header, &claims, &key).expect("sign")
+}
+
+#[tokio::test]
+async fn a_jwt_user_sees_only_their_own_sessions_over_mcp() {
+    let broker = TestBroker::start_with("mcp-jwt", |c| {
+        c.auth = codebroker::config::AuthMode::Key;
+        c.jwt_public_keys = vec![format!(
+            "lc-ed={}/../tests/keys/ed25519_a.pub.pem",
+            env!("CARGO_MANIFEST_DIR")
+        )];
+    })
+    .await;
+    let alice = connect(&broker, Some(&jwt("alice"))).await.expect("alice");
+    let ran = call(
+        &alice,
+        "execute_code",
+        json!({"lang": "py", "code": "secret = 7\nopen('s.txt','w').write('s')"}),
+    )
+    .await;
+    let s = structured(&ran)["session_id"]
+        .as_str()
+        .expect("session")
+        .to_string();
+
+    let bob = connect(&broker, Some(&jwt("bob"))).await.expect("bob");
+    let listed = call(&bob, "list_files", json!({"session_id": s})).await;
+    assert_eq!(listed.is_error, Some(true), "{listed:?}");
+    let read = call(&bob, "read_file", json!({"session_id": s, "name": "s.txt"})).await;
+    assert_eq!(read.is_error, Some(true), "{read:?}");
+    let tried = call(
+        &bob,
+        "execute_code",
+        json!({"lang": "py", "code": "print('secret' in dir())", "session_id": s}),
+    )
+    .await;
+    assert_eq!(structured(&tried)["stdout"], "False\n", "{tried:?}");
+    assert_ne!(structured(&tried)["session_id"], s.as_str());
+
+    let mine = call(&alice, "list_files", json!({})).await;
+    assert_eq!(structured(&mine)["files"][0]["name"], "s.txt", "{mine:?}");
+    let _ = alice.cancel().await;
+    let _ = bob.cancel().await;
+}
+
+#[tokio::test]
+async fn open_mcp_sessions_do_not_hold_up_shutdown() {
+    let broker = TestBroker::start("mcp-stop").await;
+    let client = connect(&broker, None).await.expect("connect");
+    let _ = call(
+        &client,
+        "execute_code",
+        json!({"lang": "bash", "code": "echo hi"}),
+    )
+    .await;
+    // The client keeps its session (and its GET stream) open while the server stops.
+    let instance = broker.instance.clone();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(20), broker.stop()).await;
+    common::remove_containers_of(&instance);
+    assert!(
+        stopped.is_ok(),
+        "the broker did not stop with an MCP session open"
+    );
+    drop(client);
+}
