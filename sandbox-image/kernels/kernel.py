@@ -805,6 +805,11 @@ class Kernel:
             self.tool_globals[func_name] = make_tool_function(func_name, tool, socket_path)
         self.tool_globals["ToolError"] = ToolError
         self.ns.update(self.tool_globals)
+        # Tool-calling code is written as `await asyncio.gather(...)` without an import
+        # (LibreChat's tool description says so, and its own sandbox imports it first).
+        if "asyncio" not in self.ns:
+            import asyncio
+            self.ns["asyncio"] = asyncio
 
     def finish(self, error):
         """End a cell so that everything it wrote reaches fds 1 and 2 before `done`."""

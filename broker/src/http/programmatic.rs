@@ -54,8 +54,6 @@ pub struct Runs {
 struct Run {
     /// The session it runs in.
     session_id: String,
-    /// The request id its first request named.
-    request_id: Option<String>,
     /// Tool calls the code made and the client has not seen yet.
     calls: Mutex<Option<mpsc::UnboundedReceiver<ToolCall>>>,
     /// Where the client's results go.
@@ -69,7 +67,7 @@ struct Run {
 }
 
 /// A tool as the client describes it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct ToolBody {
     name: String,
     #[serde(default)]
@@ -79,7 +77,7 @@ struct ToolBody {
 }
 
 /// A tool result as the client sends it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct ToolResultBody {
     call_id: String,
     #[serde(default)]
@@ -91,7 +89,7 @@ struct ToolResultBody {
 }
 
 /// Both shapes of the request: a first request, or a continuation.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct ProgrammaticBody {
     code: Option<String>,
     #[serde(default)]
@@ -107,6 +105,24 @@ struct ProgrammaticBody {
     tool_results: Option<Vec<ToolResultBody>>,
 }
 
+/// Runs code that calls tools the client runs: answers `tool_call_required` with a
+/// `continuation_token` and the batch of `tool_calls`, until `completed` or `error`.
+#[utoipa::path(
+    post,
+    path = "/exec/programmatic",
+    tag = "exec",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body = ProgrammaticBody,
+    responses(
+        (status = 200, description = "`{status: tool_call_required | completed | error, continuation_token?, tool_calls?, ...the /exec response}`", content_type = "application/json"),
+        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "Unknown continuation token", body = crate::http::openapi::ErrorBody),
+        (status = 409, description = "Continuation token already used", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn programmatic(
     State(state): State<AppState>,
     caller: Caller,
@@ -114,7 +130,15 @@ async fn programmatic(
     ApiJson(body): ApiJson<ProgrammaticBody>,
 ) -> AppResult<Json<Value>> {
     let run = match body.continuation_token.clone() {
-        Some(token) => continue_run(&state, token, body.tool_results.unwrap_or_default())?,
+        Some(token) => {
+            let run = continue_run(&state, token, body.tool_results.unwrap_or_default())?;
+            // LibreChat names each continuation with a request id of its own, and cancels
+            // by that id.
+            if let Some(id) = request_id(&headers) {
+                state.runs.by_request.insert(id, run.clone());
+            }
+            run
+        }
         None => start_run(&state, &caller, &headers, body).await?,
     };
     advance(&state, run).await.map(Json)
@@ -162,11 +186,7 @@ async fn start_run(
     let (choice, input) = exec_body.into_parts(caller)?;
     state.broker.limits.check_exec(choice.user.as_deref())?;
     let session = state.broker.choose_session(&choice, &input.files).await?;
-    let request_id = ["x-librechat-code-request-id", "x-codeapi-request-id"]
-        .iter()
-        .find_map(|h| headers.get(*h)?.to_str().ok())
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty());
+    let request_id = request_id(headers);
 
     let (calls_tx, calls_rx) = mpsc::unbounded_channel();
     let (results_tx, results_rx) = mpsc::unbounded_channel();
@@ -185,7 +205,6 @@ async fn start_run(
     let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
     let run = Arc::new(Run {
         session_id,
-        request_id: request_id.clone(),
         calls: Mutex::new(Some(calls_rx)),
         results: results_tx,
         pending: Mutex::new(HashSet::new()),
@@ -196,6 +215,15 @@ async fn start_run(
         state.runs.by_request.insert(id, run.clone());
     }
     Ok(run)
+}
+
+/// The request id a client names its request by (LibreChat's header, or the generic one).
+fn request_id(headers: &HeaderMap) -> Option<String> {
+    ["x-librechat-code-request-id", "x-codeapi-request-id"]
+        .iter()
+        .find_map(|h| headers.get(*h)?.to_str().ok())
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
 }
 
 /// Hands the client's results to the waiting run named by `token` (single use).
@@ -316,17 +344,14 @@ fn expire_token_later(state: &AppState, token: String, run: Arc<Run>) {
         if runs.by_token.remove(&token).is_some() {
             tracing::info!(session = %run.session_id, "continuation token expired; stopping the run");
             run.cancel.cancel();
-            if let Some(id) = &run.request_id {
-                runs.by_request.remove(id);
-            }
+            runs.by_request.retain(|_, r| !Arc::ptr_eq(r, &run));
         }
     });
 }
 
-fn forget(state: &AppState, run: &Run) {
-    if let Some(id) = &run.request_id {
-        state.runs.by_request.remove(id);
-    }
+/// Drops every request id that names `run` (the first request's and its continuations').
+fn forget(state: &AppState, run: &Arc<Run>) {
+    state.runs.by_request.retain(|_, r| !Arc::ptr_eq(r, run));
 }
 
 /// `completed`, or `error` with LibreChat's words for what went wrong.
@@ -351,12 +376,25 @@ fn final_json(output: &ExecOutput) -> Value {
     body
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct CancelBody {
     request_id: String,
 }
 
 /// `POST /exec/programmatic/cancel {"request_id"}`: stops the run its first request named.
+#[utoipa::path(
+    post,
+    path = "/exec/programmatic/cancel",
+    tag = "exec",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body = CancelBody,
+    responses(
+        (status = 200, description = "The run is stopped", content_type = "application/json"),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "No run with that request id", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn cancel(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<CancelBody>,

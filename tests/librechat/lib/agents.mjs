@@ -41,23 +41,26 @@ export async function loadAgents(name) {
   const agents = await import(esmEntry(dir, pkg, '.'));
   const core = packageRoot(createRequire(cjsEntry).resolve('@langchain/core/messages'), '@langchain/core');
   const messages = await import(esmEntry(core.dir, core.pkg, './messages'));
-  return { agents, messages, version: pkg.version, coreVersion: core.pkg.version };
+  const tools = await import(esmEntry(core.dir, core.pkg, './tools'));
+  return { agents, messages, tools, version: pkg.version, coreVersion: core.pkg.version };
 }
 
 /**
  * Runs one tool call through a ToolNode the way LibreChat's agent graph does: the model's
  * AIMessage with `tool_calls` goes in, the ToolMessage (content + artifact) comes out, and
- * the node's `sessions` map carries the code session into the next call.
+ * the node's `sessions` map carries the code session into the next call. `nodeOptions` go
+ * to the ToolNode as well (e.g. the `toolRegistry` whose `allowed_callers` decide which
+ * tools a programmatic run may call); `config` of `run` goes to `invoke` (e.g. `signal`).
  */
-export function toolRunner({ agents, messages }, tools, sessions = new Map()) {
-  const node = new agents.ToolNode({ tools, sessions });
+export function toolRunner({ agents, messages }, tools, sessions = new Map(), nodeOptions = {}) {
+  const node = new agents.ToolNode({ tools, sessions, ...nodeOptions });
   let n = 0;
   return {
     sessions,
-    async run(name, args) {
+    async run(name, args, config) {
       const id = `call_${Date.now()}_${++n}`;
       const ai = new messages.AIMessage({ content: '', tool_calls: [{ id, name, args, type: 'tool_call' }] });
-      const out = await node.invoke({ messages: [ai] });
+      const out = await node.invoke({ messages: [ai] }, config);
       const list = Array.isArray(out) ? out : out.messages;
       const msg = list.find((m) => m.tool_call_id === id);
       if (!msg) throw new Error(`ToolNode returned no ToolMessage for ${id}: ${JSON.stringify(out)}`);

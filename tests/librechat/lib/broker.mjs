@@ -96,9 +96,16 @@ export function mintLibreChatJwt({ privateKey, kid = LIBRECHAT_DEFAULT_KID, sub,
   return `${input}.${base64Url(signature)}`;
 }
 
+// Brokers started by this process so far: the first is librechat-test-<pid>, later ones
+// (a file that needs a second broker, e.g. one without auth) get -2, -3, ... so that
+// stopping one never removes the other's containers.
+let brokersStarted = 0;
+
 /**
  * @param {object} [opts]
  * @param {boolean} [opts.jwt] also trust an Ed25519 key (generated here) for LibreChat JWTs
+ * @param {'key'|'none'} [opts.auth] `none` starts the broker with CODEBROKER_AUTH=none (and no
+ *   key), for a client generation that sends no credentials at all
  * @param {Record<string,string>} [opts.env] extra CODEBROKER_* settings
  */
 export async function startBroker(opts = {}) {
@@ -108,11 +115,12 @@ export async function startBroker(opts = {}) {
   const port = await freePort();
   const apiKey = randomBytes(24).toString('hex');
   const dataDir = await mkdtemp(join(tmpdir(), 'codebroker-librechat-'));
-  const instance = `librechat-test-${process.pid}`;
+  brokersStarted += 1;
+  const instance = `librechat-test-${process.pid}${brokersStarted > 1 ? `-${brokersStarted}` : ''}`;
   const env = {
     ...process.env,
     CODEBROKER_LISTEN: `127.0.0.1:${port}`,
-    CODEBROKER_API_KEY: apiKey,
+    ...(opts.auth === 'none' ? { CODEBROKER_AUTH: 'none' } : { CODEBROKER_API_KEY: apiKey }),
     CODEBROKER_DATA_DIR: join(dataDir, 'data'),
     CODEBROKER_INSTANCE: instance,
     CODEBROKER_POOL_SIZE: '1',

@@ -60,7 +60,8 @@ export function form(fields, files) {
 
 /**
  * A transparent HTTP proxy to `target` that records every exchange:
- * { method, url, headers, body (parsed JSON or text), status, response (parsed) }.
+ * { method, url, headers, body (parsed JSON or text), status, response (parsed) }, and
+ * `aborted: true` (status 499) when the client went away before the answer.
  */
 export async function recordingProxy(target) {
   const t = new URL(target);
@@ -89,9 +90,18 @@ export async function recordingProxy(target) {
         },
       );
       up.on('error', (err) => {
-        entry.status = 502;
+        if (entry.status !== undefined) return;
+        entry.status = entry.aborted ? 499 : 502;
         entry.response = String(err);
-        res.writeHead(502).end(String(err));
+        if (!res.headersSent) res.writeHead(502).end(String(err));
+      });
+      // A client that goes away before its answer: the broker sees the connection close
+      // too, as it would without the proxy (a programmatic run stops when its client goes).
+      res.on('close', () => {
+        if (!res.writableFinished) {
+          entry.aborted = true;
+          up.destroy();
+        }
       });
       up.end(reqBody);
     });
