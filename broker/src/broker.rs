@@ -38,6 +38,10 @@ pub struct Broker {
     pub jwt: JwtKeys,
     /// `/opt/codebroker/libraries.json` of the image, read once.
     libraries: tokio::sync::OnceCell<serde_json::Value>,
+    /// Prometheus counters and gauges (`/metrics`), bumped here and by the handlers.
+    pub metrics: crate::metrics::Metrics,
+    /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
+    pub audit: crate::audit::Audit,
 }
 
 /// A reference to an input file, in either contract generation.
@@ -119,6 +123,8 @@ impl Broker {
             pool: Arc::new(Pool::new(config.pool_size)),
             limits: Limits::from_config(&config),
             jwt: JwtKeys::default(),
+            metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
+            audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
             docker: Arc::new(docker),
             config,
             libraries: tokio::sync::OnceCell::new(),
@@ -242,6 +248,13 @@ impl Broker {
             .registry
             .insert_new(meta, workspace)
             .map_err(|e| AppError::internal(format!("cannot save session: {e}")))?;
+        let created = serde_json::json!({
+            "user": user,
+            "session": session.id(),
+            "entity_id": entity_id,
+            "pooled": pooled.is_some(),
+        });
+        self.audit.record("session_create", created);
         if let Some(p) = pooled {
             session.set_sandbox(Some(p.sandbox));
         }
@@ -258,6 +271,8 @@ impl Broker {
         hooks: ExecHooks,
     ) -> AppResult<ExecOutput> {
         let _turn = session.acquire().await;
+        let observed =
+            crate::metrics::ExecObservation::start(&self.metrics, &self.audit, &session, &input);
         let started = Instant::now();
         let mut notes = Vec::new();
         self.place_inputs(&session, &input.files, &mut notes)
@@ -398,6 +413,7 @@ impl Broker {
         }
         output.duration_ms = started.elapsed().as_millis() as u64;
         session.touch();
+        observed.finish(&output);
         Ok(output)
     }
 
@@ -555,6 +571,12 @@ impl Broker {
                 continue;
             };
             tracing::debug!(session = session.id(), "removing idle or dead sandbox");
+            let expired = serde_json::json!({
+                "user": session.meta.user,
+                "session": session.id(),
+                "idle": idle,
+            });
+            self.audit.record("session_expire", expired);
             self.discard_sandbox(&session, &sandbox).await;
         }
     }

@@ -214,9 +214,58 @@ pub struct Config {
     )]
     pub mcp_allowed_hosts: Vec<String>,
 
+    /// Offer code mode on `/mcp`: the tools `execute` (code that calls the functions below,
+    /// served by the broker itself) and `search` (find those functions).
+    #[arg(long, env = "CODEBROKER_CODEMODE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub codemode: bool,
+
+    /// Code mode: hosts (`name` or `name:port`) `codemode.http.fetch` may reach,
+    /// comma-separated; the broker makes the request. Empty: no HTTP at all.
+    #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_ALLOW", value_delimiter = ',')]
+    pub codemode_http_allow: Vec<String>,
+
+    /// Code mode: environment variables of the broker `codemode.env.get` may read,
+    /// comma-separated.
+    #[arg(long, env = "CODEBROKER_CODEMODE_ENV_ALLOW", value_delimiter = ',')]
+    pub codemode_env_allow: Vec<String>,
+
+    /// Code mode: upstream MCP servers whose tools the code calls as
+    /// `codemode.<name>.<tool>`, comma-separated `name=http://host:port/mcp` (streamable
+    /// HTTP) or `name=stdio:command args` (a child process).
+    #[arg(long, env = "CODEBROKER_CODEMODE_MCP_SERVERS", value_delimiter = ',')]
+    pub codemode_mcp_servers: Vec<String>,
+
+    /// Code mode: largest HTTP body (request or response) `codemode.http.fetch` passes, in
+    /// bytes.
+    #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_MAX_BYTES", default_value_t = 1024 * 1024)]
+    pub codemode_http_max_bytes: u64,
+
+    /// Code mode: how long one function call (an HTTP request, an upstream tool) may take,
+    /// in milliseconds.
+    #[arg(
+        long,
+        env = "CODEBROKER_CODEMODE_CALL_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub codemode_call_timeout_ms: u64,
+
+    /// Code mode: wall-time limit of one `execute`, calls included, in milliseconds.
+    #[arg(long, env = "CODEBROKER_CODEMODE_TIMEOUT_MS", default_value_t = 60_000)]
+    pub codemode_timeout_ms: u64,
+
     /// Log format: `text` or `json`.
     #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
+
+    /// Append-only JSONL audit log (one record per session create, exec, upload, download,
+    /// delete and expiry), so who ran what can be traced later; empty: off.
+    #[arg(long, env = "CODEBROKER_AUDIT_LOG", default_value = "")]
+    pub audit_log: String,
+
+    /// Put the code itself in the audit log's exec records; off, only its SHA-256 is kept,
+    /// which proves what ran without storing users' code.
+    #[arg(long, env = "CODEBROKER_AUDIT_CODE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub audit_code: bool,
 }
 
 /// How callers prove who they are.

@@ -3,14 +3,17 @@
 //! [`run`] serves the HTTP API on a listener it is given, so tests bind port 0; the
 //! binary in `main.rs` only parses the configuration and calls it.
 
+pub mod audit;
 pub mod auth;
 pub mod broker;
+pub mod codemode;
 pub mod config;
 pub mod error;
 pub mod http;
 pub mod ids;
 pub mod jwt;
 pub mod mcp;
+pub mod metrics;
 pub mod ratelimit;
 pub mod sandbox;
 pub mod session;

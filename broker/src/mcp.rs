@@ -1,6 +1,7 @@
 //! MCP over streamable HTTP at `/mcp` (API.md, "MCP"), with the official SDK `rmcp`.
 //!
-//! Tools: `execute_code`, `upload_file`, `list_files`, `read_file`. The route sits behind the
+//! Tools: `execute_code`, `upload_file`, `list_files`, `read_file`; with code mode on
+//! (`CODEBROKER_CODEMODE`) also `execute` and `search` ([`crate::codemode`]). The route sits behind the
 //! same auth as the rest of the API; the caller (a JWT's user, or the one an API-key caller
 //! names) comes from the HTTP request, which rmcp hands to each tool call.
 //!
@@ -12,6 +13,7 @@
 
 use crate::auth::Caller;
 use crate::broker::{Broker, ExecHooks, ExecInput, ExecOutput, SessionChoice};
+use crate::codemode::CodeMode;
 use crate::error::AppError;
 use crate::http::exec::output_json;
 use crate::http::files::visible_session;
@@ -26,7 +28,10 @@ use axum::Router;
 use base64::Engine as _;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{CallToolResult, ContentBlock, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::model::{
+    CallToolResult, ContentBlock, Implementation, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig,
+};
 use rmcp::service::RequestContext;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
@@ -75,8 +80,9 @@ pub fn service(state: &AppState) -> StreamableHttpService<CodeTools, LocalSessio
         Some(hosts) => http.with_allowed_hosts(hosts),
     };
     let state = state.clone();
+    let codemode = CodeMode::new(config);
     StreamableHttpService::new(
-        move || Ok(CodeTools::new(state.clone())),
+        move || Ok(CodeTools::new(state.clone(), codemode.clone())),
         Arc::new(sessions),
         http,
     )
@@ -173,6 +179,24 @@ pub struct ReadFileArgs {
     pub name: String,
 }
 
+/// `execute` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ExecuteArgs {
+    /// The code: JavaScript (default) or TypeScript, `return` gives the result (a lone
+    /// expression is returned as it is); Python: the last expression is the result.
+    pub code: String,
+    /// js (default), ts or py.
+    #[serde(default)]
+    pub lang: Option<String>,
+}
+
+/// `search` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct SearchArgs {
+    /// Words to look for in the functions' names and descriptions; empty lists all.
+    pub query: String,
+}
+
 /// The MCP server of one MCP session.
 #[derive(Clone)]
 pub struct CodeTools {
@@ -181,18 +205,77 @@ pub struct CodeTools {
     /// The codebroker session this MCP session works in, once it has one; the lock is held
     /// while a session is chosen, so concurrent first calls do not make two.
     session: Arc<tokio::sync::Mutex<Option<String>>>,
-    /// The tools, as `#[tool_router]` collects them.
+    /// The tools, as `#[tool_router]` collects them (without `execute` and `search` when
+    /// code mode is off).
     tool_router: ToolRouter<CodeTools>,
+    /// Code mode's functions and connections, shared by all MCP sessions.
+    codemode: Arc<CodeMode>,
 }
 
 #[tool_router]
 impl CodeTools {
-    fn new(state: AppState) -> CodeTools {
+    fn new(state: AppState, codemode: Arc<CodeMode>) -> CodeTools {
+        let mut tool_router = Self::tool_router();
+        if !codemode.enabled {
+            tool_router.remove_route("execute");
+            tool_router.remove_route("search");
+        }
         CodeTools {
             state,
             session: Arc::default(),
-            tool_router: Self::tool_router(),
+            tool_router,
+            codemode,
         }
+    }
+
+    #[tool(
+        name = "execute",
+        description = "Run JavaScript (default), TypeScript or Python that calls the code mode \
+functions (codemode.*) and get {result, logs, error}. The full description lists the functions."
+    )]
+    async fn execute_tool(
+        &self,
+        Parameters(args): Parameters<ExecuteArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = caller_of(&ctx).await;
+        Ok(self
+            .codemode_execute(args, &caller, ctx.ct.clone())
+            .await
+            .unwrap_or_else(tool_error))
+    }
+
+    #[tool(
+        description = "Find code mode functions (for `execute`) by words in their names and \
+descriptions, best matches first, with their TypeScript declarations."
+    )]
+    async fn search(
+        &self,
+        Parameters(args): Parameters<SearchArgs>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let found = self.codemode.search(&args.query).await;
+        let mut lines: Vec<String> = found["tools"]
+            .as_array()
+            .map(|tools| {
+                tools
+                    .iter()
+                    .map(|t| {
+                        format!(
+                            "{} (score {}):\n{}",
+                            t["name"].as_str().unwrap_or_default(),
+                            t["score"],
+                            t["declaration"].as_str().unwrap_or_default()
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if lines.is_empty() {
+            lines.push("no matching functions".into());
+        }
+        let mut result = CallToolResult::success(vec![ContentBlock::text(lines.join("\n\n"))]);
+        result.structured_content = Some(found);
+        Ok(result)
     }
 
     #[tool(
@@ -259,6 +342,22 @@ or leave it out for this connection's session."
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for CodeTools {
+    /// The router's tools, with the functions of code mode in `execute`'s description.
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let mut tools = self.tool_router.list_all();
+        if self.codemode.enabled {
+            let description = self.codemode.execute_description().await;
+            for tool in tools.iter_mut().filter(|t| t.name == "execute") {
+                tool.description = Some(description.clone().into());
+            }
+        }
+        Ok(ListToolsResult::with_all_items(tools))
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
             .with_server_info(
@@ -321,6 +420,65 @@ impl CodeTools {
             Some(id) => Ok(Some(id)),
             None => Ok(self.session.lock().await.clone()),
         }
+    }
+
+    /// This MCP session's codebroker session (or `explicit`), made when there is none.
+    async fn exec_session(
+        &self,
+        caller: &Caller,
+        explicit: Option<String>,
+    ) -> Result<Arc<Session>, AppError> {
+        let mut remembered = self.session.lock().await;
+        let choice = SessionChoice {
+            user: caller.user.clone(),
+            session_id: explicit.or_else(|| remembered.clone()),
+            ..SessionChoice::default()
+        };
+        let session = self.broker().choose_session(&choice, &[]).await?;
+        *remembered = Some(session.id().to_string());
+        Ok(session)
+    }
+
+    /// `execute`: the code in this MCP session's codebroker session, with code mode's
+    /// functions; `{result, logs, error}` as text and structured content.
+    async fn codemode_execute(
+        &self,
+        args: ExecuteArgs,
+        caller: &Caller,
+        cancel: CancellationToken,
+    ) -> Result<CallToolResult, AppError> {
+        let lang = match args
+            .lang
+            .as_deref()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+        {
+            None => Language::Js,
+            Some(l) => match l.parse::<Language>() {
+                Ok(lang @ (Language::Js | Language::Ts | Language::Py)) => lang,
+                _ => {
+                    return Err(AppError::BadRequest(format!(
+                        "code mode runs js, ts or py, not {l:?}"
+                    )))
+                }
+            },
+        };
+        let broker = self.broker().clone();
+        broker.limits.check_exec(caller.user.as_deref())?;
+        let session = self.exec_session(caller, None).await?;
+        let outcome = self
+            .codemode
+            .run(broker, session, lang, &args.code, cancel)
+            .await?;
+        let value = outcome.to_json();
+        let text = serde_json::to_string_pretty(&value).unwrap_or_else(|_| value.to_string());
+        let mut result = if outcome.error.is_some() {
+            CallToolResult::error(vec![ContentBlock::text(text)])
+        } else {
+            CallToolResult::success(vec![ContentBlock::text(text)])
+        };
+        result.structured_content = Some(value);
+        Ok(result)
     }
 
     async fn execute(

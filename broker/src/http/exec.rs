@@ -33,7 +33,7 @@ pub fn router() -> Router<AppState> {
 }
 
 /// The body of `POST /exec` (both contract generations). Unknown fields are ignored.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ExecBody {
     /// Language name or alias.
     pub lang: String,
@@ -54,7 +54,7 @@ pub struct ExecBody {
 }
 
 /// `args` as clients send it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum Args {
     List(Vec<String>),
@@ -63,7 +63,7 @@ pub enum Args {
 
 /// An input file reference, classic `{id, session_id, name}` or new
 /// `{id, resource_id, storage_session_id, name, kind, version}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct FileRef {
     pub id: String,
     pub session_id: Option<String>,
@@ -167,6 +167,24 @@ pub fn output_json(output: &ExecOutput) -> Value {
     })
 }
 
+/// Runs code in a session and answers with its output and files. After 2 s the answer
+/// becomes a 200 whose body starts with whitespace (keep-alive) and ends with the JSON.
+#[utoipa::path(
+    post,
+    path = "/exec",
+    tag = "exec",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body = ExecBody,
+    responses(
+        (status = 200, description = "The exec's output", body = crate::http::openapi::ExecResponseDoc),
+        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 403, description = "An input file belongs to another user", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "No sandbox can be started right now", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn exec(
     State(state): State<AppState>,
     caller: Caller,
@@ -266,6 +284,20 @@ fn display_json(workspace: &crate::workspace::Workspace, display: DisplayData) -
 /// with `Accept: application/x-ndjson`): `stdout`/`stderr` chunks as the code writes
 /// them, `display` for figures, and a final `result` with the `/exec` response. A client
 /// that disconnects stops the exec; the session stays usable.
+#[utoipa::path(
+    post,
+    path = "/exec/stream",
+    tag = "exec",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body = ExecBody,
+    responses(
+        (status = 200, description = "`stdout`, `stderr`, `display` events, then `result` (the /exec response) or `error` (the error envelope); NDJSON lines `{event, data}` with `Accept: application/x-ndjson`", content_type = "text/event-stream"),
+        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn exec_stream(
     State(state): State<AppState>,
     caller: Caller,

@@ -43,7 +43,7 @@ pub fn router() -> Router<AppState> {
         )
         .route(
             "/sessions/{session_id}/objects/{file_id}",
-            get(object_info).delete(delete_file),
+            get(object_info).delete(delete_object),
         )
         .route("/download/{session_id}/{file_id}", get(download))
 }
@@ -252,6 +252,20 @@ fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
     }
 }
 
+/// Uploads one file (multipart field `file`) to a session.
+#[utoipa::path(
+    post,
+    path = "/upload",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body(content_type = "multipart/form-data", content = crate::http::openapi::UploadFormDoc),
+    responses(
+        (status = 200, description = "`{message, session_id, storage_session_id, files[{fileId, filename, id, size}]}`", content_type = "application/json"),
+        (status = 400, description = "No file, or a bad name", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "Larger than CODEBROKER_MAX_UPLOAD_MB", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn upload(
     State(state): State<AppState>,
     caller: Caller,
@@ -271,6 +285,7 @@ async fn upload(
         .store_uploads(&session, staged, upload_options(&form.fields))
         .await?;
     drop(guard);
+    observe_upload(&state, user.as_deref(), &session, &records);
     let files: Vec<Value> = records
         .iter()
         .map(|r| json!({ "fileId": r.id, "filename": r.name, "id": r.id, "size": r.size }))
@@ -283,6 +298,19 @@ async fn upload(
     })))
 }
 
+/// Uploads several files (multipart fields `file`); bad ones are reported per file.
+#[utoipa::path(
+    post,
+    path = "/upload/batch",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body(content_type = "multipart/form-data", content = crate::http::openapi::UploadFormDoc),
+    responses(
+        (status = 200, description = "`{message: success | partial_success | error, session_id, files[{status, fileId?, filename, error?}], succeeded, failed}`", content_type = "application/json"),
+        (status = 400, description = "No file in the upload", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn upload_batch(
     State(state): State<AppState>,
     caller: Caller,
@@ -306,6 +334,7 @@ async fn upload_batch(
             .await?
     };
     drop(guard);
+    observe_upload(&state, user.as_deref(), &session, &records);
     let mut files: Vec<Value> = records
         .iter()
         .map(|r| json!({ "status": "success", "fileId": r.id, "filename": r.name, "size": r.size }))
@@ -329,6 +358,24 @@ async fn upload_batch(
     })))
 }
 
+/// Counts an upload's bytes and audits it.
+fn observe_upload(state: &AppState, user: Option<&str>, session: &Session, records: &[FileRecord]) {
+    let bytes: u64 = records.iter().map(|r| r.size).sum();
+    state.broker.metrics.uploaded(bytes);
+    state.broker.audit.record(
+        "upload",
+        json!({
+            "user": user,
+            "session": session.id(),
+            "bytes": bytes,
+            "files": records
+                .iter()
+                .map(|r| json!({ "id": r.id, "name": r.name, "size": r.size }))
+                .collect::<Vec<_>>(),
+        }),
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Listing, metadata, deletion
 // ---------------------------------------------------------------------------------------
@@ -348,6 +395,22 @@ fn base_name(name: &str) -> &str {
     name.rsplit('/').next().unwrap_or(name)
 }
 
+/// The session's current files; an unknown session is `[]`.
+#[utoipa::path(
+    get,
+    path = "/files/{session_id}",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    params(
+        ("session_id" = String, Path, description = "The session"),
+        ("detail" = Option<String>, Query, description = "summary (default), full, simple or normalized"),
+    ),
+    responses(
+        (status = 200, description = "The files, in the shape `detail` asks for", content_type = "application/json"),
+        (status = 400, description = "Malformed session id", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn list_files(
     State(state): State<AppState>,
     caller: Caller,
@@ -412,6 +475,23 @@ async fn list_files(
     Ok(Json(Value::Array(list)))
 }
 
+/// One file's metadata.
+#[utoipa::path(
+    get,
+    path = "/sessions/{session_id}/objects/{file_id}",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    params(
+        ("session_id" = String, Path, description = "The session"),
+        ("file_id" = String, Path, description = "The file"),
+    ),
+    responses(
+        (status = 200, description = "`{name, size, contentType, lastModified}`", content_type = "application/json"),
+        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn object_info(
     State(state): State<AppState>,
     caller: Caller,
@@ -426,13 +506,38 @@ async fn object_info(
     })))
 }
 
+/// Deletes a file (classic path).
+#[utoipa::path(
+    delete,
+    path = "/files/{session_id}/{file_id}",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    params(
+        ("session_id" = String, Path, description = "The session"),
+        ("file_id" = String, Path, description = "The file"),
+    ),
+    responses(
+        (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
+        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn delete_file(
     State(state): State<AppState>,
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Json<Value>> {
-    let (session, _) = visible_record(&state, &caller, &session_id, &file_id)?;
+    let (session, record) = visible_record(&state, &caller, &session_id, &file_id)?;
     state.broker.delete_file(&session, &file_id).await?;
+    state.broker.audit.record(
+        "delete",
+        json!({
+            "user": caller.user.as_ref().or(session.meta.user.as_ref()),
+            "session": session.id(),
+            "files": [{ "id": record.id, "name": record.name }],
+        }),
+    );
     Ok(Json(json!({
         "message": "File deleted successfully",
         "session_id": session_id,
@@ -440,10 +545,52 @@ async fn delete_file(
     })))
 }
 
+/// Deletes a file (new contract generation's path).
+#[utoipa::path(
+    delete,
+    path = "/sessions/{session_id}/objects/{file_id}",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    params(
+        ("session_id" = String, Path, description = "The session"),
+        ("file_id" = String, Path, description = "The file"),
+    ),
+    responses(
+        (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
+        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
+    )
+)]
+async fn delete_object(
+    state: State<AppState>,
+    caller: Caller,
+    path: Path<(String, String)>,
+) -> AppResult<Json<Value>> {
+    delete_file(state, caller, path).await
+}
+
 // ---------------------------------------------------------------------------------------
 // Download
 // ---------------------------------------------------------------------------------------
 
+/// The file's bytes, streamed, as an attachment (RFC 5987 UTF-8 name).
+#[utoipa::path(
+    get,
+    path = "/download/{session_id}/{file_id}",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    params(
+        ("session_id" = String, Path, description = "The session"),
+        ("file_id" = String, Path, description = "The file"),
+    ),
+    responses(
+        (status = 200, description = "The bytes", content_type = "application/octet-stream"),
+        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn download(
     State(state): State<AppState>,
     caller: Caller,
@@ -461,6 +608,16 @@ async fn download(
         .await
         .map(|m| m.len())
         .unwrap_or(record.size);
+    // Counted when served (a client that stops reading early still counts in full).
+    state.broker.metrics.downloaded(size);
+    state.broker.audit.record(
+        "download",
+        json!({
+            "user": caller.user.as_ref().or(session.meta.user.as_ref()),
+            "session": session.id(),
+            "files": [{ "id": record.id, "name": record.name, "size": size }],
+        }),
+    );
     // Streamed, so a large file is never held in memory.
     let stream = tokio_util::io::ReaderStream::new(file);
     let name = base_name(&record.name);

@@ -125,12 +125,35 @@ pub fn manifest_json(config: &Config) -> Value {
     })
 }
 
+/// The LobeChat plugin manifest. No auth.
+#[utoipa::path(
+    get,
+    path = "/lobe/manifest.json",
+    tag = "lobe",
+    responses((status = 200, description = "The plugin manifest", content_type = "application/json"))
+)]
 async fn manifest(State(state): State<AppState>) -> Json<Value> {
     Json(manifest_json(&state.broker.config))
 }
 
 /// Runs the arguments (an `/exec` body: `lang`, `code`, `session_id`, ...) and answers
 /// markdown.
+/// Runs the plugin's arguments (an /exec body) and answers markdown. The key may also come
+/// as `apiKey` in `X-Lobe-Plugin-Settings`.
+#[utoipa::path(
+    post,
+    path = "/lobe/run",
+    tag = "lobe",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body(content = super::exec::ExecBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Output, images and file links as markdown", content_type = "text/markdown"),
+        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+    )
+)]
 async fn run(
     State(state): State<AppState>,
     caller: Caller,

@@ -5,13 +5,14 @@ pub mod exec;
 pub mod files;
 pub mod health;
 pub mod lobe;
+pub mod openapi;
 pub mod programmatic;
 
 use crate::auth::require_auth;
 use crate::broker::Broker;
 use crate::error::AppError;
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, Request, State};
 use axum::Router;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
@@ -53,6 +54,7 @@ pub fn router(state: AppState) -> Router {
     let routes: Router<AppState> = Router::new()
         .merge(protected)
         .merge(health::public_router())
+        .merge(openapi::router())
         .merge(lobe::router(&state));
     let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
     Router::new()
@@ -60,8 +62,23 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", routes)
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::map_response_with_state(
+            state.clone(),
+            count_refusals,
+        ))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Counts the 429s every route answers (rate and capacity limits) for `/metrics`.
+async fn count_refusals(
+    State(state): State<AppState>,
+    response: axum::response::Response,
+) -> axum::response::Response {
+    if response.status() == axum::http::StatusCode::TOO_MANY_REQUESTS {
+        state.broker.metrics.rate_limited();
+    }
+    response
 }
 
 /// A JSON body read whatever its `Content-Type`, with errors in the API's envelope:

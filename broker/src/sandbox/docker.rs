@@ -3,6 +3,7 @@
 use super::channel::AttachOutput;
 use super::{labels, RunnerChannel, Sandbox};
 use crate::config::Config;
+use crate::metrics::{docker_error, DockerErrors};
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, ResourcesUlimits};
@@ -39,6 +40,9 @@ pub struct DockerBackend {
     docker: bollard::Docker,
     /// Image, limits and lockdown settings.
     config: Arc<Config>,
+    /// Failed Engine API calls by operation, shared with the broker's metrics so that an
+    /// engine in trouble shows on `/metrics`.
+    pub api_errors: DockerErrors,
 }
 
 impl DockerBackend {
@@ -50,7 +54,16 @@ impl DockerBackend {
             .negotiate_version()
             .await
             .context("cannot negotiate the Docker API version")?;
-        Ok(DockerBackend { docker, config })
+        Ok(DockerBackend {
+            docker,
+            config,
+            api_errors: DockerErrors::default(),
+        })
+    }
+
+    /// Counts one failed Engine API call of `op`.
+    fn failed(&self, op: &str) {
+        docker_error(&self.api_errors, op);
     }
 
     /// Whether the engine answers.
@@ -152,6 +165,7 @@ impl DockerBackend {
                 body,
             )
             .await
+            .inspect_err(|_| self.failed("create"))
             .context("docker create failed")?;
         let id = created.id;
         let sandbox = async {
@@ -162,6 +176,7 @@ impl DockerBackend {
                     None::<bollard::query_parameters::StartContainerOptions>,
                 )
                 .await
+                .inspect_err(|_| self.failed("start"))
                 .context("docker start failed")?;
             let sandbox = Sandbox::new(id.clone(), channel);
             tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(start_kernel))
@@ -200,6 +215,7 @@ impl DockerBackend {
             .docker
             .attach_container(id, Some(options))
             .await
+            .inspect_err(|_| self.failed("attach"))
             .context("docker attach failed")?;
         let output = attached.output.map(|item| match item {
             Ok(LogOutput::StdErr { message }) => Ok(AttachOutput::Stderr(message)),
@@ -227,6 +243,7 @@ impl DockerBackend {
                     ..
                 }
             ) {
+                self.failed("remove");
                 tracing::warn!(container = %short(id), error = %err, "cannot remove container");
             }
         }
@@ -246,6 +263,7 @@ impl DockerBackend {
             .docker
             .list_containers(Some(options))
             .await
+            .inspect_err(|_| self.failed("list"))
             .context("docker ps failed")?;
         Ok(list
             .into_iter()
@@ -283,6 +301,7 @@ impl DockerBackend {
                 body,
             )
             .await
+            .inspect_err(|_| self.failed("read_image"))
             .context("docker create failed")?
             .id;
         let options = DownloadFromContainerOptionsBuilder::new()
@@ -295,6 +314,9 @@ impl DockerBackend {
             .try_concat()
             .await;
         self.remove(&id).await;
+        if tar_bytes.is_err() {
+            self.failed("read_image");
+        }
         let tar_bytes = tar_bytes.with_context(|| format!("cannot read {path} from the image"))?;
         let mut archive = tar::Archive::new(&tar_bytes[..]);
         let mut entry = archive

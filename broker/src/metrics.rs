@@ -1,0 +1,346 @@
+//! Prometheus metrics, served as text at `GET /metrics`: one registry for the broker, with
+//! counters the handlers and the core bump, and gauges read from the broker at scrape time.
+
+use crate::audit::Audit;
+use crate::broker::{ExecInput, ExecOutput};
+use crate::session::Session;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use sandbox_runner::Limit;
+use serde_json::json;
+use std::time::Instant;
+
+/// The content type of the text exposition (OpenMetrics, which Prometheus reads).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels of one exec: its language and how it ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExecLabels {
+    /// The language's short name (`py`, `js`, ...), to compare languages.
+    pub lang: String,
+    /// `ok` (exit code 0), `error` (anything else but a limit) or `limit`.
+    pub outcome: String,
+}
+
+/// Labels of a limit hit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// `time`, `memory`, `stdout`, `stderr` or `disk`.
+    pub kind: String,
+}
+
+/// Labels of a failed Docker API call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DockerOpLabels {
+    /// The broker's operation (`create`, `attach`, `start`, `remove`, `list`, `read_image`).
+    pub op: String,
+}
+
+/// Failed Docker API calls by operation; `DockerBackend` holds a clone (it shares its
+/// counts) so the engine layer needs no reference to the registry.
+pub type DockerErrors = Family<DockerOpLabels, Counter>;
+
+/// Counts one failed Docker API call.
+pub fn docker_error(errors: &DockerErrors, op: &str) {
+    errors
+        .get_or_create(&DockerOpLabels { op: op.to_string() })
+        .inc();
+}
+
+fn exec_histogram() -> Histogram {
+    // 5 ms to about 80 s.
+    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+}
+
+/// Every metric of the broker.
+pub struct Metrics {
+    /// What `/metrics` encodes.
+    registry: Registry,
+    /// Sessions known (with or without a sandbox): the size of the registry.
+    sessions: Gauge,
+    /// Session sandboxes alive: the containers sessions hold, the pool not counted.
+    containers: Gauge,
+    /// Started sandboxes waiting in the pool: whether new sessions start warm.
+    pool_ready: Gauge,
+    /// Execs by language and outcome.
+    execs: Family<ExecLabels, Counter>,
+    /// Exec wall time in seconds (queueing for the session excluded), by language and outcome.
+    exec_seconds: Family<ExecLabels, Histogram, fn() -> Histogram>,
+    /// Limits hit by kind: which limit users run into.
+    limits: Family<LimitLabels, Counter>,
+    /// Bytes received in uploads.
+    upload_bytes: Counter,
+    /// Bytes served by downloads.
+    download_bytes: Counter,
+    /// Requests refused with 429 (rate or capacity limits).
+    rate_limited: Counter,
+}
+
+impl Metrics {
+    /// A registry with every metric, sharing `docker_errors` with the Docker backend.
+    pub fn new(docker_errors: DockerErrors) -> Metrics {
+        let mut registry = Registry::with_prefix("codebroker");
+        let sessions = Gauge::default();
+        let containers = Gauge::default();
+        let pool_ready = Gauge::default();
+        let execs = Family::<ExecLabels, Counter>::default();
+        let exec_seconds = Family::<ExecLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            exec_histogram,
+        );
+        let limits = Family::<LimitLabels, Counter>::default();
+        let upload_bytes = Counter::default();
+        let download_bytes = Counter::default();
+        let rate_limited = Counter::default();
+        registry.register("sessions", "Sessions known", sessions.clone());
+        registry.register(
+            "containers",
+            "Session sandboxes alive (the pool not counted)",
+            containers.clone(),
+        );
+        registry.register(
+            "pool_ready",
+            "Started sandboxes waiting in the pool",
+            pool_ready.clone(),
+        );
+        registry.register("execs", "Execs by language and outcome", execs.clone());
+        registry.register(
+            "exec_duration_seconds",
+            "Exec wall time by language and outcome",
+            exec_seconds.clone(),
+        );
+        registry.register("limits_hit", "Exec limits hit by kind", limits.clone());
+        registry.register(
+            "upload_bytes",
+            "Bytes received in uploads",
+            upload_bytes.clone(),
+        );
+        registry.register(
+            "download_bytes",
+            "Bytes served by downloads",
+            download_bytes.clone(),
+        );
+        registry.register(
+            "docker_errors",
+            "Failed Docker API calls by operation",
+            docker_errors,
+        );
+        registry.register(
+            "rate_limited",
+            "Requests refused with 429 (rate or capacity limits)",
+            rate_limited.clone(),
+        );
+        Metrics {
+            registry,
+            sessions,
+            containers,
+            pool_ready,
+            execs,
+            exec_seconds,
+            limits,
+            upload_bytes,
+            download_bytes,
+            rate_limited,
+        }
+    }
+
+    /// The text exposition, after setting the gauges to the values given.
+    pub fn render(&self, sessions: usize, containers: usize, pool_ready: usize) -> String {
+        self.sessions.set(sessions as i64);
+        self.containers.set(containers as i64);
+        self.pool_ready.set(pool_ready as i64);
+        let mut out = String::new();
+        if let Err(err) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %err, "cannot encode the metrics");
+        }
+        out
+    }
+
+    /// Counts one finished exec.
+    pub fn exec(&self, lang: &str, outcome: &str, seconds: f64, limits: &[Limit]) {
+        let labels = ExecLabels {
+            lang: lang.to_string(),
+            outcome: outcome.to_string(),
+        };
+        self.execs.get_or_create(&labels).inc();
+        self.exec_seconds.get_or_create(&labels).observe(seconds);
+        for limit in limits {
+            self.limits
+                .get_or_create(&LimitLabels {
+                    kind: limit_kind(*limit).to_string(),
+                })
+                .inc();
+        }
+    }
+
+    /// Counts uploaded bytes.
+    pub fn uploaded(&self, bytes: u64) {
+        self.upload_bytes.inc_by(bytes);
+    }
+
+    /// Counts downloaded bytes.
+    pub fn downloaded(&self, bytes: u64) {
+        self.download_bytes.inc_by(bytes);
+    }
+
+    /// Counts one 429.
+    pub fn rate_limited(&self) {
+        self.rate_limited.inc();
+    }
+}
+
+/// The label value of a limit.
+pub fn limit_kind(limit: Limit) -> &'static str {
+    match limit {
+        Limit::Time => "time",
+        Limit::Memory => "memory",
+        Limit::Stdout => "stdout",
+        Limit::Stderr => "stderr",
+        Limit::Disk => "disk",
+    }
+}
+
+/// How an exec ended, as the `outcome` label says it.
+pub fn outcome(output: &ExecOutput) -> &'static str {
+    if !output.limits.is_empty() {
+        "limit"
+    } else if output.exit_code == Some(0) {
+        "ok"
+    } else {
+        "error"
+    }
+}
+
+/// One exec being watched: made when it starts, finished with its output. Dropped
+/// unfinished (the exec failed before it had an output, or was cancelled), it is counted
+/// as an `error` and audited without an exit code.
+pub struct ExecObservation<'a> {
+    /// Where the counts go.
+    metrics: &'a Metrics,
+    /// Where the record goes.
+    audit: &'a Audit,
+    /// When the exec started, for its latency.
+    started: Instant,
+    /// The language's short name.
+    lang: &'static str,
+    /// The audit record's fields known at the start (user, session, code hash, inputs);
+    /// `None` when the audit log is off.
+    record: Option<serde_json::Value>,
+    /// Set once finished, so the drop does not count it again.
+    done: bool,
+}
+
+impl<'a> ExecObservation<'a> {
+    /// Starts watching an exec of `input` in `session`.
+    pub fn start(
+        metrics: &'a Metrics,
+        audit: &'a Audit,
+        session: &Session,
+        input: &ExecInput,
+    ) -> ExecObservation<'a> {
+        let record = audit.enabled().then(|| {
+            let files_in: Vec<_> = input
+                .files
+                .iter()
+                .map(|f| json!({ "id": f.id, "name": f.name, "session_id": f.session_id }))
+                .collect();
+            let mut record = json!({
+                "user": session.meta.user,
+                "session": session.id(),
+                "language": input.lang.as_str(),
+                "code_sha256": crate::audit::sha256_hex(input.code.as_bytes()),
+                "files_in": files_in,
+            });
+            if audit.include_code() {
+                record["code"] = json!(input.code);
+            }
+            record
+        });
+        ExecObservation {
+            metrics,
+            audit,
+            started: Instant::now(),
+            lang: input.lang.as_str(),
+            record,
+            done: false,
+        }
+    }
+
+    /// Counts and audits the exec's output.
+    pub fn finish(mut self, output: &ExecOutput) {
+        self.done = true;
+        let seconds = self.started.elapsed().as_secs_f64();
+        let outcome = outcome(output);
+        self.metrics
+            .exec(self.lang, outcome, seconds, &output.limits);
+        if let Some(mut record) = self.record.take() {
+            record["duration_ms"] = json!(output.duration_ms.max((seconds * 1000.0) as u64));
+            record["exit_code"] = json!(output.exit_code);
+            record["outcome"] = json!(outcome);
+            record["limits"] = json!(output
+                .limits
+                .iter()
+                .map(|l| limit_kind(*l))
+                .collect::<Vec<_>>());
+            record["files_out"] = json!(output
+                .files
+                .iter()
+                .map(|f| json!({ "id": f.id, "name": f.name }))
+                .collect::<Vec<_>>());
+            self.audit.record("exec", record);
+        }
+    }
+}
+
+impl Drop for ExecObservation<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let seconds = self.started.elapsed().as_secs_f64();
+        self.metrics.exec(self.lang, "error", seconds, &[]);
+        if let Some(mut record) = self.record.take() {
+            record["duration_ms"] = json!((seconds * 1000.0) as u64);
+            record["exit_code"] = serde_json::Value::Null;
+            record["outcome"] = json!("failed");
+            record["limits"] = json!([]);
+            record["files_out"] = json!([]);
+            self.audit.record("exec", record);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counts_and_gauges() {
+        let docker = DockerErrors::default();
+        let metrics = Metrics::new(docker.clone());
+        metrics.exec("py", "limit", 0.2, &[Limit::Time]);
+        metrics.uploaded(10);
+        docker_error(&docker, "create");
+        let text = metrics.render(3, 2, 1);
+        assert!(text.contains("codebroker_sessions 3"), "{text}");
+        assert!(text.contains("codebroker_containers 2"), "{text}");
+        assert!(text.contains("codebroker_pool_ready 1"), "{text}");
+        assert!(
+            text.contains(r#"codebroker_execs_total{lang="py",outcome="limit"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"codebroker_limits_hit_total{kind="time"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("codebroker_upload_bytes_total 10"), "{text}");
+        assert!(
+            text.contains(r#"codebroker_docker_errors_total{op="create"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("codebroker_exec_duration_seconds_bucket"));
+    }
+}
