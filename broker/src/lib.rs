@@ -75,6 +75,13 @@ pub async fn run(
     let stopping = state.shutdown.clone();
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
+    // Streamed output goes out in many small writes: without TCP_NODELAY, Nagle's algorithm
+    // holds each one until the client's delayed ACK, about 40 ms.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+        }
+    });
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
