@@ -5,6 +5,8 @@
 #   make bench   latency table side by side with the docker exec / docker run baselines
 
 IMAGE ?= codebroker-sandbox:latest
+# The broker, the tests and the bench all read the image name from here.
+export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
 .PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test

@@ -14,7 +14,10 @@ use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const IMAGE: &str = "codebroker-sandbox:latest";
+/// The image the broker under test uses: `CODEBROKER_IMAGE`, as the broker reads it.
+fn image() -> String {
+    std::env::var("CODEBROKER_IMAGE").unwrap_or_else(|_| "codebroker-sandbox:latest".into())
+}
 
 struct Row {
     name: String,
@@ -344,7 +347,7 @@ async fn main() {
             "none",
             "--entrypoint",
             "python3",
-            IMAGE,
+            &image(),
             "-c",
             "print(1)",
         ]));

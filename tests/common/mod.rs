@@ -10,7 +10,11 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-pub const IMAGE: &str = "codebroker-sandbox:latest";
+/// The sandbox image under test: `CODEBROKER_IMAGE` (as the broker reads it), else the
+/// image `make image` builds.
+pub fn image() -> String {
+    std::env::var("CODEBROKER_IMAGE").unwrap_or_else(|_| "codebroker-sandbox:latest".into())
+}
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -37,14 +41,15 @@ pub fn instance_name(tag: &str) -> String {
 }
 
 pub fn require_image() {
+    let image = image();
     let ok = Command::new("docker")
-        .args(["image", "inspect", IMAGE])
+        .args(["image", "inspect", &image])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
     assert!(
         ok,
-        "the sandbox image {IMAGE} is missing: run `make image` first"
+        "the sandbox image {image} is missing: run `make image` first"
     );
 }
 
