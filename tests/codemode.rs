@@ -364,9 +364,13 @@ async fn denials_errors_and_the_network() {
     let _ = client.cancel().await;
 }
 
-/// A minimal MCP server on stdio (newline-delimited JSON-RPC) with one tool, `echo`.
+/// A minimal MCP server on stdio (newline-delimited JSON-RPC) with two tools: `echo`, and
+/// `quit`, which ends the process without answering. Given a path, it starts only when
+/// that file exists (a server that is not up yet).
 const STDIO_SERVER: &str = r#"
-import json, sys
+import json, os, sys
+if len(sys.argv) > 1 and not os.path.exists(sys.argv[1]):
+    sys.exit(1)
 for line in sys.stdin:
     msg = json.loads(line)
     if "id" not in msg:
@@ -377,7 +381,11 @@ for line in sys.stdin:
                   "serverInfo": {"name": "echo", "version": "1"}}
     elif method == "tools/list":
         result = {"tools": [{"name": "echo", "description": "Echoes.",
-                             "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}]}
+                             "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}},
+                            {"name": "quit", "description": "Ends the server.",
+                             "inputSchema": {"type": "object"}}]}
+    elif method == "tools/call" and msg["params"]["name"] == "quit":
+        sys.exit(0)
     elif method == "tools/call":
         text = msg["params"].get("arguments", {}).get("text", "")
         result = {"content": [{"type": "text", "text": text}], "structuredContent": {"echo": text}}
@@ -408,4 +416,62 @@ async fn stdio_upstream_servers_are_called() {
         .await;
     assert!(!result.is_error, "{result:?}");
     assert_eq!(result.result, json!({"echo": "hi"}));
+}
+
+/// Calls `name` through code mode's bridge, as the sandbox would.
+async fn bridge_call(
+    mode: &codebroker::codemode::CodeMode,
+    name: &str,
+    input: Value,
+) -> sandbox_runner::ToolResult {
+    mode.serve(sandbox_runner::ToolCall {
+        call_id: "c1".into(),
+        name: name.into(),
+        input,
+    })
+    .await
+}
+
+/// An upstream server that is not up when the broker starts is connected once it is, and
+/// one whose process dies is started again by the next call.
+#[tokio::test]
+async fn upstream_servers_are_reconnected() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("server.py");
+    let ready = dir.path().join("ready");
+    std::fs::write(&script, STDIO_SERVER).expect("write");
+    let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
+    config.codemode = true;
+    config.codemode_mcp_servers = vec![format!(
+        "echo=stdio:python3 {} {}",
+        script.display(),
+        ready.display()
+    )];
+    let mode = codebroker::codemode::CodeMode::new(&config);
+
+    // Down: its tools are not offered, and a call says why it fails.
+    assert!(!mode.specs().await.iter().any(|s| s.name == "echo.echo"));
+    let down = bridge_call(&mode, "echo.echo", json!({"text": "hi"})).await;
+    assert!(down.is_error, "{down:?}");
+    assert_eq!(
+        down.error_message.as_deref(),
+        Some("Tool 'echo.echo' is unavailable: server 'echo' cannot be reached"),
+        "{down:?}"
+    );
+
+    // Up: found on a use after the retry interval.
+    std::fs::write(&ready, "").expect("write");
+    tokio::time::sleep(std::time::Duration::from_millis(2_100)).await;
+    let specs = mode.specs().await;
+    assert!(specs.iter().any(|s| s.name == "echo.echo"), "{specs:?}");
+    let up = bridge_call(&mode, "echo.echo", json!({"text": "one"})).await;
+    assert_eq!(up.result, json!({"echo": "one"}), "{up:?}");
+
+    // Its process dies mid-call: that call fails (it may have run), the next one starts it
+    // again.
+    let quit = bridge_call(&mode, "echo.quit", json!({})).await;
+    assert!(quit.is_error, "{quit:?}");
+    let again = bridge_call(&mode, "echo.echo", json!({"text": "two"})).await;
+    assert!(!again.is_error, "{again:?}");
+    assert_eq!(again.result, json!({"echo": "two"}));
 }

@@ -19,7 +19,7 @@ use crate::config::Config;
 use crate::error::AppError;
 use crate::session::Session;
 use rmcp::model::{CallToolRequestParams, ClientConfig};
-use rmcp::service::RunningService;
+use rmcp::service::{RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{RoleClient, ServiceExt};
@@ -28,14 +28,17 @@ use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use tokio::sync::{mpsc, OnceCell};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 /// The internal tool the wrapper reports the code's value and error with.
 pub const RESULT_TOOL: &str = "__codemode_result";
 /// Most redirects `http.fetch` follows.
 const MAX_REDIRECTS: usize = 5;
+/// How long an upstream server that could not be connected is left alone before the next
+/// use tries again: a server that is down costs one attempt per interval, not one per call.
+const RECONNECT_AFTER: Duration = Duration::from_secs(2);
 /// How deep JSON Schemas are turned into types.
 const MAX_SCHEMA_DEPTH: usize = 6;
 /// Most tools `search` returns.
@@ -187,6 +190,27 @@ struct Upstream {
     tools: Vec<rmcp::model::Tool>,
 }
 
+/// An upstream server's place: connected on first use, reconnected when the connection is
+/// lost (the server restarted, its process died) or could not be made.
+struct UpstreamSlot {
+    /// Its name in `codemode.<name>`.
+    name: String,
+    /// Where it is.
+    target: Target,
+    /// The connection, if any. An async mutex so that callers arriving while it connects
+    /// wait for that one attempt instead of each starting their own.
+    state: tokio::sync::Mutex<SlotState>,
+}
+
+/// What is known of an upstream server's connection.
+#[derive(Default)]
+struct SlotState {
+    /// The live connection.
+    live: Option<Arc<Upstream>>,
+    /// When the last attempt failed; the next waits for [`RECONNECT_AFTER`].
+    failed_at: Option<Instant>,
+}
+
 /// Code mode's settings and connections, shared by every MCP session.
 pub struct CodeMode {
     /// Whether `execute` and `search` are offered.
@@ -195,8 +219,8 @@ pub struct CodeMode {
     http_allow: Arc<Vec<HostRule>>,
     /// Variables `env.get` may read.
     env_allow: Vec<String>,
-    /// Upstream servers as configured (valid entries).
-    servers: Vec<(String, Target)>,
+    /// Upstream servers as configured (valid entries), with their connections.
+    upstreams: Vec<UpstreamSlot>,
     /// The HTTP client of `http.fetch` (its redirect policy checks the allowlist); `None`
     /// when it could not be made (then no HTTP at all, rather than a client without it).
     http: Option<reqwest::Client>,
@@ -206,8 +230,6 @@ pub struct CodeMode {
     call_timeout: Duration,
     /// Time limit of one `execute`.
     exec_timeout_ms: u64,
-    /// The upstream servers, connected on first use (or at start-up).
-    upstreams: OnceCell<Vec<Arc<Upstream>>>,
 }
 
 impl CodeMode {
@@ -227,13 +249,17 @@ impl CodeMode {
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty())
             .collect();
-        let mut servers = Vec::new();
+        let mut upstreams = Vec::new();
         for entry in config.codemode_mcp_servers.iter().map(|e| e.trim()) {
             if entry.is_empty() {
                 continue;
             }
             match parse_server(entry) {
-                Ok(server) => servers.push(server),
+                Ok((name, target)) => upstreams.push(UpstreamSlot {
+                    name,
+                    target,
+                    state: Default::default(),
+                }),
                 Err(e) => tracing::warn!(error = %e, "ignoring a code mode MCP server"),
             }
         }
@@ -261,39 +287,63 @@ impl CodeMode {
             enabled: config.codemode,
             http_allow,
             env_allow,
-            servers,
+            upstreams,
             http,
             max_body: config.codemode_http_max_bytes,
             call_timeout,
             exec_timeout_ms: config.codemode_timeout_ms,
-            upstreams: OnceCell::new(),
         });
-        if mode.enabled && !mode.servers.is_empty() {
+        if mode.enabled && !mode.upstreams.is_empty() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 let eager = mode.clone();
                 handle.spawn(async move {
-                    eager.upstreams().await;
+                    eager.connected().await;
                 });
             }
         }
         mode
     }
 
-    /// The upstream servers that could be connected (once; failures are logged).
-    async fn upstreams(&self) -> &[Arc<Upstream>] {
-        self.upstreams
-            .get_or_init(|| async {
-                let connects = self
-                    .servers
-                    .iter()
-                    .map(|(name, target)| self.connect(name, target));
-                futures::future::join_all(connects)
-                    .await
-                    .into_iter()
-                    .flatten()
-                    .collect()
-            })
+    /// The upstream servers connected now (connecting or reconnecting those that are not,
+    /// unless they failed a moment ago; failures are logged).
+    async fn connected(&self) -> Vec<Arc<Upstream>> {
+        let live = self.upstreams.iter().map(|slot| self.live(slot));
+        futures::future::join_all(live)
             .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// The slot's live connection: the one it has, or a new one.
+    async fn live(&self, slot: &UpstreamSlot) -> Option<Arc<Upstream>> {
+        let mut state = slot.state.lock().await;
+        if let Some(upstream) = &state.live {
+            if !upstream.client.is_transport_closed() {
+                return Some(upstream.clone());
+            }
+            tracing::warn!(server = %slot.name, "code mode MCP server connection lost");
+            state.live = None;
+        }
+        if state
+            .failed_at
+            .is_some_and(|at| at.elapsed() < RECONNECT_AFTER)
+        {
+            return None;
+        }
+        let upstream = self.connect(&slot.name, &slot.target).await;
+        state.failed_at = upstream.is_none().then(Instant::now);
+        state.live = upstream.clone();
+        upstream
+    }
+
+    /// Drops `dead` from its slot (unless it was replaced already), so that the next use
+    /// connects again.
+    async fn forget(&self, slot: &UpstreamSlot, dead: &Arc<Upstream>) {
+        let mut state = slot.state.lock().await;
+        if state.live.as_ref().is_some_and(|l| Arc::ptr_eq(l, dead)) {
+            state.live = None;
+        }
     }
 
     async fn connect(&self, name: &str, target: &Target) -> Option<Arc<Upstream>> {
@@ -347,7 +397,7 @@ impl CodeMode {
     /// Every function the code may call, sorted by name.
     pub async fn specs(&self) -> Vec<ToolSpec> {
         let mut specs = builtin_specs();
-        for upstream in self.upstreams().await {
+        for upstream in self.connected().await {
             for tool in &upstream.tools {
                 specs.push(ToolSpec {
                     name: format!("{}.{}", upstream.name, tool.name),
@@ -371,7 +421,7 @@ impl CodeMode {
                 "body": {"type": "string"}}}),
         );
         out.insert("env.get".to_string(), json!({"type": ["string", "null"]}));
-        for upstream in self.upstreams().await {
+        for upstream in self.connected().await {
             for tool in &upstream.tools {
                 if let Some(schema) = &tool.output_schema {
                     out.insert(
@@ -539,12 +589,10 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
     async fn call_upstream(&self, name: &str, input: &Value) -> Result<Value, String> {
         let unknown = || format!("Unknown tool: '{name}'");
         let (server, tool) = name.split_once('.').ok_or_else(unknown)?;
-        let upstream = self
-            .upstreams()
-            .await
+        let slot = self
+            .upstreams
             .iter()
             .find(|u| u.name == server)
-            .filter(|u| u.tools.iter().any(|t| t.name == tool))
             .ok_or_else(unknown)?;
         let mut params = CallToolRequestParams::new(tool.to_string());
         match input {
@@ -552,10 +600,37 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             Value::Null => {}
             _ => return Err(format!("Tool '{name}' takes an object")),
         }
-        let result = tokio::time::timeout(self.call_timeout, upstream.client.call_tool(params))
-            .await
-            .map_err(|_| format!("Tool '{name}' did not answer in time"))?
-            .map_err(|e| format!("Tool '{name}' failed: {e}"))?;
+        let unreachable =
+            || format!("Tool '{name}' is unavailable: server '{server}' cannot be reached");
+        // A request that could not be sent never reached the server, so it is sent once
+        // more on a new connection (the server restarted and forgot our MCP session, say).
+        // A connection lost after sending is not retried: the tool may have run.
+        let mut resent = false;
+        let result = loop {
+            let upstream = self.live(slot).await.ok_or_else(unreachable)?;
+            if !upstream.tools.iter().any(|t| t.name == tool) {
+                return Err(unknown());
+            }
+            let call = upstream.client.call_tool(params.clone());
+            let outcome = tokio::time::timeout(self.call_timeout, call)
+                .await
+                .map_err(|_| format!("Tool '{name}' did not answer in time"))?;
+            match outcome {
+                Ok(result) => break result,
+                Err(ServiceError::TransportSend(e)) if !resent => {
+                    tracing::warn!(server, error = %e, "code mode MCP server unreachable; reconnecting");
+                    self.forget(slot, &upstream).await;
+                    resent = true;
+                }
+                Err(e @ (ServiceError::TransportSend(_) | ServiceError::TransportClosed)) => {
+                    self.forget(slot, &upstream).await;
+                    return Err(format!(
+                        "Tool '{name}' failed: the server's connection was lost ({e})"
+                    ));
+                }
+                Err(e) => return Err(format!("Tool '{name}' failed: {e}")),
+            }
+        };
         let text: Vec<String> = result
             .content
             .iter()
