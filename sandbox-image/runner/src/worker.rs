@@ -1234,6 +1234,12 @@ impl Worker {
             (None, Some(status)) => Exit::from_raw(status),
             (None, None) => Exit::Signal(libc::SIGKILL),
         };
+        if let (None, false, Exit::Signal(sig)) = (done, ctl.killed, exit) {
+            ctl.notes.push(format!(
+                "Error: the Python kernel was killed by signal {sig}; its variables are \
+                 lost and the next exec starts a new one"
+            ));
+        }
         if alive {
             // The kernel flushed before `done`, so its output is in the pipes already.
             for which in [Stream::Stdout, Stream::Stderr] {
