@@ -437,6 +437,30 @@ async fn keep_file_intact(arena: &Arena, s: &str, sum: &str) {
     assert_eq!(stdout(&resp).trim(), sum, "{resp}");
 }
 
+/// Four threads writing 8 MiB files in 1 MiB writes, forever.
+const THREADED_WRITER: &str = r#"import threading
+def w(t):
+    i = 0
+    while True:
+        with open(f'w{t}-{i}', 'wb') as f:
+            for _ in range(8):
+                f.write(b'z' * (1 << 20))
+        i += 1
+ts = [threading.Thread(target=w, args=(t,), daemon=True) for t in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]"#;
+
+/// Allocated bytes under the workspace, as `du` counts them.
+async fn workspace_bytes(arena: &Arena, s: &str) -> u64 {
+    let du = arena
+        .broker
+        .run("bash", "du -sb --apparent-size . | cut -f1", Some(s))
+        .await;
+    let used = stdout(&du).trim().parse().expect("a size");
+    eprintln!("workspace: {used} bytes, quota {QUOTA}");
+    used
+}
+
 #[tokio::test]
 async fn a_workspace_writer_is_stopped_at_the_quota() {
     let arena = quota_arena("quota").await;
@@ -475,6 +499,33 @@ async fn a_workspace_writer_is_stopped_at_the_quota() {
         limits(&py).contains(&"Disk quota exceeded".to_string()),
         "{py}"
     );
+    keep_file_intact(&arena, &s, &sum).await;
+    arena.still_fine(&s).await;
+    // Threads of the kernel (an interrupt would stop only its main thread).
+    arena
+        .broker
+        .run("bash", "rm -f fill-* one.bin", Some(&s))
+        .await;
+    let threads = arena.attack(&s, "py", THREADED_WRITER, 20000).await;
+    assert!(
+        limits(&threads).contains(&"Disk quota exceeded".to_string()),
+        "{}",
+        short(&threads)
+    );
+    assert!(workspace_bytes(&arena, &s).await < 2 * QUOTA);
+    keep_file_intact(&arena, &s, &sum).await;
+    arena.still_fine(&s).await;
+
+    // Threads left writing after the exec ended: the idle kernel is stopped.
+    arena.broker.run("bash", "rm -f w*", Some(&s)).await;
+    let code = THREADED_WRITER.replace("[t.join() for t in ts]", "print('started')");
+    let bg = arena.broker.run("py", &code, Some(&s)).await;
+    assert_eq!(stdout(&bg).trim(), "started", "{}", short(&bg));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let used = workspace_bytes(&arena, &s).await;
+    assert!(used < 2 * QUOTA, "{used} bytes");
+    let py = arena.broker.run("py", "print(6 * 7)", Some(&s)).await;
+    assert_eq!(py["runtime_status"], "new", "the kernel was replaced: {py}");
     keep_file_intact(&arena, &s, &sum).await;
     arena.still_fine(&s).await;
 }

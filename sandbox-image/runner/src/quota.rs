@@ -9,6 +9,12 @@
 //! does) once it has grown past the quota. The worker measures once more when the program
 //! ends, to report growth that happened between two checks.
 //!
+//! Between execs only the Python kernel can still run (the sweep killed the rest), and its
+//! threads may go on writing: while it is alive the thread keeps measuring, every
+//! [`IDLE_INTERVAL`] or more, and the worker kills the kernel once the workspace grew past
+//! the quota. An exec over the quota also kills the kernel at once rather than
+//! interrupting it, since an interrupt reaches only its main thread.
+//!
 //! Bounds: what one exec can write past the quota is what it writes during one check
 //! interval plus one walk (the interval is at least [`MIN_INTERVAL`], and four times the
 //! last walk's duration so the watcher takes at most a fifth of a CPU); RLIMIT_FSIZE
@@ -22,6 +28,10 @@ use std::time::{Duration, Instant};
 
 /// Shortest pause between two measurements during an exec.
 pub const MIN_INTERVAL: Duration = Duration::from_millis(25);
+
+/// Shortest pause between two measurements between execs, while a Python kernel (whose
+/// threads may go on writing) is alive.
+pub const IDLE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The quota of one workspace, from the environment the broker gives the container.
 #[derive(Debug, Clone)]

@@ -85,6 +85,20 @@ struct State {
     watch: Option<(JobId, Usage)>,
     /// The watcher found the workspace grown past its quota during `current`.
     disk_over: bool,
+    /// Between execs, with a kernel alive (its threads may still write): the workspace
+    /// usage the last exec ended with, for the watcher to measure against.
+    idle_watch: Option<Usage>,
+    /// The watcher found the workspace grown past its quota between execs: the kernel,
+    /// the only thing that can still run then, is to be killed.
+    kernel_over: bool,
+}
+
+/// What the quota watcher measures for.
+pub enum Watch {
+    /// A running exec, with the usage it started with.
+    Exec(JobId, Usage),
+    /// The idle kernel, with the usage the last exec ended with.
+    Idle(Usage),
 }
 
 impl Control {
@@ -98,6 +112,8 @@ impl Control {
                 tool_results: Vec::new(),
                 watch: None,
                 disk_over: false,
+                idle_watch: None,
+                kernel_over: false,
             }),
             waker,
             finished: Condvar::new(),
@@ -172,8 +188,36 @@ impl Control {
 
     /// Asks the quota watcher to measure the workspace while `job` runs.
     fn watch(&self, job: JobId, base: Usage) {
-        self.lock().watch = Some((job, base));
+        let mut st = self.lock();
+        st.watch = Some((job, base));
+        st.idle_watch = None;
+        drop(st);
         self.watch_started.notify_all();
+    }
+
+    /// Asks the quota watcher to measure the workspace while the kernel idles.
+    fn watch_idle(&self, base: Usage) {
+        self.lock().idle_watch = Some(base);
+        self.watch_started.notify_all();
+    }
+
+    /// Whether the idle kernel is still being watched.
+    fn idle_watching(&self) -> bool {
+        self.lock().idle_watch.is_some()
+    }
+
+    /// The watcher found the workspace grown between execs.
+    fn idle_over_quota(&self) {
+        let mut st = self.lock();
+        if st.idle_watch.take().is_some() {
+            st.kernel_over = true;
+            drop(st);
+            self.waker.wake();
+        }
+    }
+
+    fn take_kernel_over(&self) -> bool {
+        std::mem::take(&mut self.lock().kernel_over)
     }
 
     /// Stops the quota watcher's measurements (the exec's program ended).
@@ -181,14 +225,20 @@ impl Control {
         self.lock().watch = None;
     }
 
-    /// Blocks until an exec other than `last` is to be watched.
-    fn next_watch(&self, last: Option<JobId>) -> (JobId, Usage) {
+    /// Blocks until an exec other than `last`, or the idle kernel, is to be watched.
+    fn next_watch(&self, last: Option<JobId>) -> Watch {
         let st = self.lock();
         let st = self
             .watch_started
-            .wait_while(st, |st| st.watch.is_none_or(|(job, _)| Some(job) == last))
+            .wait_while(st, |st| {
+                st.watch.is_none_or(|(job, _)| Some(job) == last) && st.idle_watch.is_none()
+            })
             .unwrap_or_else(|e| e.into_inner());
-        st.watch.unwrap_or_default()
+        match (st.watch, st.idle_watch) {
+            (Some((job, base)), _) if Some(job) != last => Watch::Exec(job, base),
+            (_, Some(base)) => Watch::Idle(base),
+            _ => Watch::Idle(Usage::default()),
+        }
     }
 
     /// Whether `job` is still being watched.
@@ -456,6 +506,13 @@ impl Worker {
             std::thread::sleep(Duration::from_millis(10));
         }
         sys::drain(&self.wake_r);
+        if self.control.take_kernel_over() {
+            // Its threads grew the workspace past the quota after the exec ended.
+            if let Some(k) = self.kernel.take() {
+                eprintln!("sandbox-runner: the idle kernel outgrew the workspace quota");
+                self.discard_kernel(k);
+            }
+        }
         if let Some(k) = self.kernel.as_mut() {
             if fds[1..].iter().any(sys::ready) {
                 k.discard_pending(&mut self.buf);
@@ -588,9 +645,14 @@ impl Worker {
         self.control.unwatch();
         // Growth since the watcher's last look (or a file that hit RLIMIT_FSIZE, set to
         // the quota) counts too; the sweep has stopped every writer by now.
+        let quota_end = quota.map(Quota::measure);
         let workspace_full = ctl.stop == Some(Stop::Disk)
             || exit == Some(Exit::Signal(libc::SIGXFSZ))
-            || matches!((quota, quota_base), (Some(q), Some(base)) if q.exceeded(base, q.measure()));
+            || matches!((quota, quota_base, quota_end), (Some(q), Some(base), Some(end)) if q.exceeded(base, end));
+        if let (Some(end), Some(_)) = (quota_end, &self.kernel) {
+            // The kernel's threads may go on writing between execs.
+            self.control.watch_idle(end);
+        }
         // A scratch mount this exec filled: what it wrote there goes, or no later exec
         // could even write its program (only in a container: on a host these are shared).
         let mut scratch_full = Vec::new();
@@ -1120,7 +1182,9 @@ impl Worker {
                 && (interrupted_at.is_some_and(|t| now >= t + INTERRUPT_GRACE)
                     || k.broken_at.is_some_and(|t| now >= t + BROKEN_GRACE));
             if killed_at.is_none() && interrupted_at.is_none() && self.check_stop(ctl) {
-                if k.ready {
+                // Over the quota the kernel goes at once: an interrupt reaches only its
+                // main thread, and other threads would go on writing.
+                if k.ready && ctl.stop != Some(Stop::Disk) {
                     self.tracker.signal(k.pid, k.pid, libc::SIGINT);
                     interrupted_at = Some(now);
                     // Its children are done for anyway, and a fork bomb among them would
@@ -1313,10 +1377,34 @@ fn seconds(ms: u64) -> String {
 
 /// The quota watcher thread's body: measures the workspace while each exec runs, and
 /// stops the exec once it grew past the quota (see `quota`).
+/// Measures the workspace while the kernel idles, less often than during an exec, until
+/// the next exec starts; kills the kernel (through the worker) if it grew past the quota.
+fn watch_idle(quota: &Quota, control: &Control, base: Usage) {
+    let mut pause = quota::IDLE_INTERVAL;
+    loop {
+        std::thread::sleep(pause);
+        if !control.idle_watching() {
+            return;
+        }
+        let (now, took) = quota::timed_measure(quota);
+        if quota.exceeded(base, now) {
+            control.idle_over_quota();
+            return;
+        }
+        pause = quota::interval(took).max(quota::IDLE_INTERVAL);
+    }
+}
+
 pub fn watch_quota(quota: Quota, control: Arc<Control>) {
     let mut last = None;
     loop {
-        let (job, base) = control.next_watch(last);
+        let (job, base) = match control.next_watch(last) {
+            Watch::Exec(job, base) => (job, base),
+            Watch::Idle(base) => {
+                watch_idle(&quota, &control, base);
+                continue;
+            }
+        };
         last = Some(job);
         let mut pause = quota::MIN_INTERVAL;
         loop {

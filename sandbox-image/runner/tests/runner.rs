@@ -1253,3 +1253,45 @@ fn tool_round_trip_inside_the_runner() {
     assert_eq!(tr.calls.len(), 20);
     println!("bash tool call, whole command: {:?}", t.elapsed() / 20);
 }
+
+#[test]
+fn workspace_growth_past_the_quota_stops_the_exec() {
+    let mut r = Runner::start_with(&[
+        ("CODEBROKER_WORKSPACE_QUOTA", "8388608"),
+        ("CODEBROKER_WORKSPACE_MAX_FILES", "100"),
+    ]);
+    let resp = r.exec(
+        1,
+        req(
+            Language::Bash,
+            "head -c 1048576 /dev/urandom > keep; echo ok",
+        ),
+    );
+    assert_eq!(resp.stdout, "ok\n");
+    assert!(resp.limits.is_empty(), "{:?}", resp.limits);
+    // Many small writes, slower than the watcher: stopped with the disk limit.
+    let resp = r.exec(
+        2,
+        req(
+            Language::Bash,
+            "i=0; while true; do head -c 262144 /dev/zero > f$i; i=$((i+1)); done",
+        ),
+    );
+    assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
+    assert!(
+        resp.stderr.contains("Disk quota exceeded"),
+        "{}",
+        resp.stderr
+    );
+    // Over the quota, an exec that does not grow the workspace runs; one that frees space
+    // too; nothing was deleted by the runner.
+    let resp = r.exec(3, req(Language::Bash, "ls | wc -l; rm -f f*; ls"));
+    assert!(resp.limits.is_empty(), "{:?}", resp.limits);
+    assert_eq!(resp.stdout.lines().last(), Some("keep"), "{}", resp.stdout);
+    // Too many files.
+    let resp = r.exec(
+        4,
+        req(Language::Bash, "for i in $(seq 1000); do : > n$i; done"),
+    );
+    assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
+}
