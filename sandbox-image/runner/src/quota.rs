@@ -11,7 +11,7 @@
 //!
 //! Between execs only the Python kernel can still run (the sweep killed the rest), and its
 //! threads may go on writing: while it is alive the thread keeps measuring, every
-//! [`IDLE_INTERVAL`] or more, and the worker kills the kernel once the workspace grew past
+//! [`IDLE_INTERVAL`] or twenty times the last walk's duration, and the worker kills the kernel once the workspace grew past
 //! the quota. An exec over the quota also kills the kernel at once rather than
 //! interrupting it, since an interrupt reaches only its main thread.
 //!
