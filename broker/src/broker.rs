@@ -222,6 +222,10 @@ impl Broker {
         hint: Option<&str>,
         for_exec: bool,
     ) -> AppResult<Arc<Session>> {
+        crate::diskspace::check_room_for_new_session(
+            &self.config.data_dir,
+            self.config.min_free_disk,
+        )?;
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
             .then(|| self.limits.container_slot(&self.registry, user))

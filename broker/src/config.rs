@@ -100,6 +100,28 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_FSIZE_MB", default_value_t = 1024)]
     pub fsize_mb: i64,
 
+    /// Most a session's workspace (`/mnt/data`) may hold, in allocated bytes: `1073741824`,
+    /// or with a unit (`64MiB`, `1GiB`, `500M`). The sandbox's runner watches it during each
+    /// exec and stops an exec that grows it past the quota (`Disk quota exceeded`); no
+    /// single file may be larger (`fsize` ulimit). 0: no quota.
+    #[arg(long, env = "CODEBROKER_WORKSPACE_QUOTA", default_value = "1GiB", value_parser = parse_size)]
+    pub workspace_quota: u64,
+
+    /// Most files and directories a session's workspace may hold, watched like the quota.
+    /// 0: no cap.
+    #[arg(
+        long,
+        env = "CODEBROKER_WORKSPACE_MAX_FILES",
+        default_value_t = 100_000
+    )]
+    pub workspace_max_files: u64,
+
+    /// Free space the data directory's volume must have for a new session to start, as for
+    /// the quota (`1GiB`); below it new sessions get 503, existing ones keep running.
+    /// 0: never refuse.
+    #[arg(long, env = "CODEBROKER_MIN_FREE_DISK", default_value = "1GiB", value_parser = parse_size)]
+    pub min_free_disk: u64,
+
     /// Uid and gid the sandboxed code runs as; workspaces are owned by it.
     #[arg(long, env = "CODEBROKER_SANDBOX_UID", default_value_t = 10001)]
     pub sandbox_uid: u32,
@@ -268,6 +290,30 @@ pub struct Config {
     pub audit_code: bool,
 }
 
+/// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
+/// without `iB`/`B`; all powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 1073741824 or 1GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("unknown size unit {other:?} in {text:?}")),
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
 /// How callers prove who they are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AuthMode {
@@ -346,6 +392,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn sizes_take_units() {
+        assert_eq!(parse_size("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size(" 512 kb "), Ok(512 << 10));
+        assert_eq!(parse_size("0"), Ok(0));
+        assert!(parse_size("1 parsec").is_err());
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("99999999999T").is_err());
     }
 
     #[test]

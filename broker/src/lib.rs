@@ -8,6 +8,7 @@ pub mod auth;
 pub mod broker;
 pub mod codemode;
 pub mod config;
+mod diskspace;
 pub mod error;
 pub mod http;
 pub mod ids;

@@ -384,6 +384,7 @@ impl Workspace {
         }
         found.sort_by(|a, b| a.0.cmp(&b.0));
         let now = now_ms();
+        let mut left_out = 0usize;
         for (name, stamp) in found {
             let previous = index.current(&name).cloned();
             if previous.as_ref().map(|p| p.stamp) == Some(stamp) {
@@ -398,6 +399,12 @@ impl Workspace {
             }
             if previous.as_ref().is_some_and(|p| p.read_only) {
                 // A read-only input is never reported, whatever the code did to it.
+                continue;
+            }
+            if report.files.len() >= limits.max_files {
+                // Checked before hashing: a flood of files must not cost a copy of each
+                // at every exec (files left out are looked at again next time).
+                left_out += 1;
                 continue;
             }
             let sha256 = match self.store_blob_from(&dir, &name, limits.max_file_bytes) {
@@ -422,10 +429,7 @@ impl Workspace {
                 }
             }
             if report.files.len() >= limits.max_files {
-                report.notes.push(format!(
-                    "{name} was left out of the generated files: more than {} files changed",
-                    limits.max_files
-                ));
+                left_out += 1;
                 continue;
             }
             let record = FileRecord {
@@ -443,6 +447,14 @@ impl Workspace {
             };
             index.push_current(record.clone());
             report.files.push(Harvested { record });
+        }
+        if left_out > 0 {
+            // One note, however many: a flood of files must not flood stderr too.
+            report.notes.push(format!(
+                "{left_out} more new or changed files were left out of the generated files: \
+                 more than {} files changed",
+                limits.max_files
+            ));
         }
         Ok(report)
     }

@@ -93,11 +93,19 @@ impl DockerBackend {
         let tmpfs = HashMap::from([
             (
                 "/tmp".to_string(),
-                format!("rw,exec,nosuid,nodev,size={}m,mode=1777", c.tmp_mb),
+                format!(
+                    "rw,exec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
+                    c.tmp_mb,
+                    scratch_inodes(c.tmp_mb)
+                ),
             ),
             (
                 "/dev/shm".to_string(),
-                format!("rw,noexec,nosuid,nodev,size={}m,mode=1777", c.shm_mb),
+                format!(
+                    "rw,noexec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
+                    c.shm_mb,
+                    scratch_inodes(c.shm_mb)
+                ),
             ),
         ]);
         let ulimit = |name: &str, value: i64| ResourcesUlimits {
@@ -120,7 +128,7 @@ impl DockerBackend {
             nano_cpus: Some((c.cpus * 1e9) as i64),
             ulimits: Some(vec![
                 ulimit("nofile", c.nofile),
-                ulimit("fsize", c.fsize_mb * mib as i64),
+                ulimit("fsize", fsize_bytes(c)),
             ]),
             ipc_mode: Some("private".to_string()),
             log_config: Some(HostConfigLogConfig {
@@ -135,7 +143,12 @@ impl DockerBackend {
             image: Some(c.image.clone()),
             user: Some(format!("{uid}:{uid}")),
             working_dir: Some(WORKDIR.to_string()),
-            env: Some(vec![format!("HOME={WORKDIR}")]),
+            env: Some(vec![
+                format!("HOME={WORKDIR}"),
+                // The runner watches the workspace against these during each exec.
+                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
+                format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
+            ]),
             open_stdin: Some(true),
             stdin_once: Some(false),
             attach_stdin: Some(true),
@@ -327,6 +340,26 @@ impl DockerBackend {
         std::io::Read::read_to_end(&mut entry, &mut out)?;
         Ok(out)
     }
+}
+
+/// Inodes of a scratch tmpfs of `mb` MiB: 64 per MiB (at least 4096). Without a cap a
+/// tmpfs allows about one inode per two pages of host RAM, and a million empty files cost
+/// the host kernel memory the size limit does not see.
+fn scratch_inodes(mb: u64) -> u64 {
+    mb.saturating_mul(64).max(4096)
+}
+
+/// The `fsize` ulimit: CODEBROKER_FSIZE_MB, and never over the workspace quota, so that a
+/// single file cannot outgrow the quota between two of the runner's measurements.
+fn fsize_bytes(c: &Config) -> i64 {
+    let fsize = u64::try_from(c.fsize_mb)
+        .unwrap_or(0)
+        .saturating_mul(1024 * 1024);
+    let bytes = match c.workspace_quota {
+        0 => fsize,
+        quota => fsize.min(quota),
+    };
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 /// The first 12 characters of a container id, as `docker ps` shows it.

@@ -27,7 +27,9 @@ mod capture;
 mod client;
 mod frame;
 mod lang;
+mod quota;
 mod reaper;
+mod scratch;
 mod spawn;
 mod stubs;
 mod sweep;
@@ -66,6 +68,8 @@ pub struct Config {
     pub runner_exe: String,
     /// Report the timing of each tool call on stderr (`CODEBROKER_TOOL_TRACE` set).
     pub tool_trace: bool,
+    /// The workspace quota, when the broker set one.
+    pub quota: Option<quota::Quota>,
 }
 
 /// PATH when the image sets none.
@@ -100,6 +104,7 @@ impl Config {
             .collect();
         env.sort();
         Config {
+            quota: quota::Quota::from_env(&workdir),
             workdir,
             kernel_script: PathBuf::from(var("CODEBROKER_KERNEL", "/opt/codebroker/kernel.py")),
             python: var("CODEBROKER_PYTHON", "python3")
@@ -137,6 +142,10 @@ fn main() {
         }
         pid1
     };
+    if pid1 {
+        // Before any thread starts, so every thread and child inherits it.
+        sys::fit_affinity_to_cpu_quota();
+    }
     // Before any thread starts, so all inherit it: the reaper waits for SIGCHLD.
     reaper::block_sigchld();
     if pid1 {
@@ -181,6 +190,16 @@ fn main() {
         .spawn(move || essential(|| worker.run()))
     {
         fatal(&format!("cannot start the worker: {e}"));
+    }
+
+    if let Some(quota) = cfg.quota.clone() {
+        let control = control.clone();
+        if let Err(e) = std::thread::Builder::new()
+            .name("quota".into())
+            .spawn(move || essential(|| worker::watch_quota(quota, control)))
+        {
+            fatal(&format!("cannot start the quota watcher: {e}"));
+        }
     }
 
     let stdin = std::io::stdin();

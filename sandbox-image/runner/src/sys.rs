@@ -175,3 +175,64 @@ pub fn drain(fd: &OwnedFd) {
     let mut buf = [0u8; 64];
     while let Ok(Read::Data(_)) = read(fd, &mut buf) {}
 }
+
+/// CPUs the container's CFS quota allows, rounded up: `cpu.cfs_quota_us / cpu.cfs_period_us`
+/// (cgroup v1) or `cpu.max` (v2); `None` without a quota.
+fn cpu_quota() -> Option<usize> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let (quota, period) = if let Some(max) = read("/sys/fs/cgroup/cpu.max") {
+        let mut f = max.split_ascii_whitespace();
+        (
+            f.next()?.parse::<i64>().ok()?,
+            f.next()?.parse::<i64>().ok()?,
+        )
+    } else {
+        let q = read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")?;
+        let p = read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")?;
+        (q.trim().parse().ok()?, p.trim().parse().ok()?)
+    };
+    if quota <= 0 || period <= 0 {
+        return None;
+    }
+    usize::try_from((quota + period - 1) / period).ok()
+}
+
+/// Narrows this process's CPU affinity to as many CPUs as the CPU quota allows, so that
+/// `nproc`, `os.sched_getaffinity` and the thread pools sized from them see the limit
+/// rather than the host's CPU count. The quota itself is what limits CPU time; this only
+/// makes the count honest. Which CPUs: a random window of the allowed ones, so sandboxes
+/// spread over the host.
+pub fn fit_affinity_to_cpu_quota() {
+    let Some(want) = cpu_quota() else { return };
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it in.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: valid pointer and size.
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+        return;
+    }
+    let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: the index is below CPU_SETSIZE.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    if want == 0 || want >= allowed.len() {
+        return;
+    }
+    let mut seed = [0u8; 8];
+    // SAFETY: valid buffer; a failure leaves zeros, which only picks the first window.
+    unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    let start = (u64::from_ne_bytes(seed) % allowed.len() as u64) as usize;
+    // SAFETY: as above.
+    let mut narrow: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for i in 0..want {
+        // SAFETY: every allowed index is below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(allowed[(start + i) % allowed.len()], &mut narrow) };
+    }
+    // SAFETY: valid pointer and size.
+    if unsafe { libc::sched_setaffinity(0, size, &narrow) } != 0 {
+        eprintln!(
+            "sandbox-runner: cannot narrow the CPU affinity: {}",
+            io::Error::last_os_error()
+        );
+    }
+}

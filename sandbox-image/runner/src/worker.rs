@@ -11,11 +11,12 @@
 
 use crate::capture::Capture;
 use crate::frame::Channel;
+use crate::quota::{self, Quota, Usage};
 use crate::reaper::{Exit, Tracker};
 use crate::spawn::Spec;
 use crate::sys::{self, Read, Waker};
 use crate::tools::ToolBridge;
-use crate::{client, lang, stubs, sweep, Config};
+use crate::{client, lang, scratch, stubs, sweep, Config};
 use sandbox_runner::{
     DisplayData, ExecRequest, ExecResponse, JobId, Language, Limit, OutputChunk, RuntimeStatus,
     Stream, ToolResult, WorkerMessage,
@@ -42,6 +43,8 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 const BROKEN_GRACE: Duration = Duration::from_millis(100);
 /// Longest line the kernel may write on its event pipe.
 const MAX_EVENT_LINE: usize = 1 << 20;
+/// The shared-memory tmpfs, a scratch mount like the temp dir.
+const SHM: &str = "/dev/shm";
 /// Read size per pipe per wake-up; also the largest streamed chunk.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -61,6 +64,8 @@ pub struct Control {
     waker: Waker,
     /// Signals the end of an exec to a reader thread waiting to shut down.
     finished: Condvar,
+    /// Wakes the quota watcher when an exec starts to be watched.
+    watch_started: Condvar,
     /// Whether a kernel process is alive, for `hello` answers.
     pub kernel_running: AtomicBool,
 }
@@ -75,6 +80,25 @@ struct State {
     cancel: bool,
     /// Tool results for `current` not yet handed to its tool calls.
     tool_results: Vec<ToolResult>,
+    /// The exec the quota watcher should measure for, and the workspace usage it started
+    /// with.
+    watch: Option<(JobId, Usage)>,
+    /// The watcher found the workspace grown past its quota during `current`.
+    disk_over: bool,
+    /// Between execs, with a kernel alive (its threads may still write): the workspace
+    /// usage the last exec ended with, for the watcher to measure against.
+    idle_watch: Option<Usage>,
+    /// The watcher found the workspace grown past its quota between execs: the kernel,
+    /// the only thing that can still run then, is to be killed.
+    kernel_over: bool,
+}
+
+/// What the quota watcher measures for.
+pub enum Watch {
+    /// A running exec, with the usage it started with.
+    Exec(JobId, Usage),
+    /// The idle kernel, with the usage the last exec ended with.
+    Idle(Usage),
 }
 
 impl Control {
@@ -86,9 +110,14 @@ impl Control {
                 current: None,
                 cancel: false,
                 tool_results: Vec::new(),
+                watch: None,
+                disk_over: false,
+                idle_watch: None,
+                kernel_over: false,
             }),
             waker,
             finished: Condvar::new(),
+            watch_started: Condvar::new(),
             kernel_running: AtomicBool::new(false),
         }
     }
@@ -111,6 +140,7 @@ impl Control {
         }
         st.current = Some(job);
         st.cancel = false;
+        st.disk_over = false;
         st.tool_results.clear();
         st.queue.push_back(Task::Exec(job, req));
         drop(st);
@@ -152,12 +182,88 @@ impl Control {
         self.lock().cancel
     }
 
+    fn disk_over(&self) -> bool {
+        self.lock().disk_over
+    }
+
+    /// Asks the quota watcher to measure the workspace while `job` runs.
+    fn watch(&self, job: JobId, base: Usage) {
+        let mut st = self.lock();
+        st.watch = Some((job, base));
+        st.idle_watch = None;
+        drop(st);
+        self.watch_started.notify_all();
+    }
+
+    /// Asks the quota watcher to measure the workspace while the kernel idles.
+    fn watch_idle(&self, base: Usage) {
+        self.lock().idle_watch = Some(base);
+        self.watch_started.notify_all();
+    }
+
+    /// Whether the idle kernel is still being watched.
+    fn idle_watching(&self) -> bool {
+        self.lock().idle_watch.is_some()
+    }
+
+    /// The watcher found the workspace grown between execs.
+    fn idle_over_quota(&self) {
+        let mut st = self.lock();
+        if st.idle_watch.take().is_some() {
+            st.kernel_over = true;
+            drop(st);
+            self.waker.wake();
+        }
+    }
+
+    fn take_kernel_over(&self) -> bool {
+        std::mem::take(&mut self.lock().kernel_over)
+    }
+
+    /// Stops the quota watcher's measurements (the exec's program ended).
+    fn unwatch(&self) {
+        self.lock().watch = None;
+    }
+
+    /// Blocks until an exec other than `last`, or the idle kernel, is to be watched.
+    fn next_watch(&self, last: Option<JobId>) -> Watch {
+        let st = self.lock();
+        let st = self
+            .watch_started
+            .wait_while(st, |st| {
+                st.watch.is_none_or(|(job, _)| Some(job) == last) && st.idle_watch.is_none()
+            })
+            .unwrap_or_else(|e| e.into_inner());
+        match (st.watch, st.idle_watch) {
+            (Some((job, base)), _) if Some(job) != last => Watch::Exec(job, base),
+            (_, Some(base)) => Watch::Idle(base),
+            _ => Watch::Idle(Usage::default()),
+        }
+    }
+
+    /// Whether `job` is still being watched.
+    fn watching(&self, job: JobId) -> bool {
+        self.lock().watch.is_some_and(|(j, _)| j == job)
+    }
+
+    /// The quota watcher found `job` over the quota: it is stopped like a cancelled one.
+    fn over_quota(&self, job: JobId) {
+        let mut st = self.lock();
+        if st.current == Some(job) && st.watch.is_some_and(|(j, _)| j == job) {
+            st.disk_over = true;
+            drop(st);
+            self.waker.wake();
+        }
+    }
+
     /// Marks the exec done, before its answer is sent, so the broker may send the next
     /// one as soon as it reads the answer.
     fn finish(&self) {
         let mut st = self.lock();
         st.current = None;
         st.cancel = false;
+        st.disk_over = false;
+        st.watch = None;
         st.tool_results.clear();
         self.finished.notify_all();
     }
@@ -179,6 +285,8 @@ enum Stop {
     Time,
     /// The broker sent a cancel.
     Cancel,
+    /// The workspace grew past its quota.
+    Disk,
 }
 
 /// The bookkeeping of one exec, apart from its output.
@@ -398,6 +506,13 @@ impl Worker {
             std::thread::sleep(Duration::from_millis(10));
         }
         sys::drain(&self.wake_r);
+        if self.control.take_kernel_over() {
+            // Its threads grew the workspace past the quota after the exec ended.
+            if let Some(k) = self.kernel.take() {
+                eprintln!("sandbox-runner: the idle kernel outgrew the workspace quota");
+                self.discard_kernel(k);
+            }
+        }
         if let Some(k) = self.kernel.as_mut() {
             if fds[1..].iter().any(sys::ready) {
                 k.discard_pending(&mut self.buf);
@@ -483,6 +598,7 @@ impl Worker {
     /// Runs one exec and builds its answer.
     fn exec(&mut self, job: JobId, req: &ExecRequest) -> WorkerMessage {
         let start = Instant::now();
+        let started_at = scratch::now();
         let oom_before = oom_kills();
         let mut ctl = Ctl {
             job,
@@ -506,6 +622,12 @@ impl Worker {
             }
         }
         let mut sink = Capture::new(req.max_output_bytes, req.stream);
+        let cfg = self.cfg.clone(); // kept while self is borrowed mutably
+        let quota = cfg.quota.as_ref();
+        let quota_base = quota.map(Quota::measure);
+        if let Some(base) = quota_base {
+            self.control.watch(job, base);
+        }
         let (exit, runtime_status) = if self.check_stop(&mut ctl) {
             (None, RuntimeStatus::New) // cancelled (or no time at all) before it started
         } else if req.lang == Language::Py {
@@ -520,15 +642,45 @@ impl Worker {
 
         // The tool socket goes away with the program: nothing can call tools any more.
         ctl.tools = None;
+        self.control.unwatch();
+        // Growth since the watcher's last look (or a file that hit RLIMIT_FSIZE, set to
+        // the quota) counts too; the sweep has stopped every writer by now.
+        let quota_end = quota.map(Quota::measure);
+        let workspace_full = ctl.stop == Some(Stop::Disk)
+            || exit == Some(Exit::Signal(libc::SIGXFSZ))
+            || matches!((quota, quota_base, quota_end), (Some(q), Some(base), Some(end)) if q.exceeded(base, end));
+        if let (Some(end), Some(_)) = (quota_end, &self.kernel) {
+            // The kernel's threads may go on writing between execs.
+            self.control.watch_idle(end);
+        }
+        // A scratch mount this exec filled: what it wrote there goes, or no later exec
+        // could even write its program (only in a container: on a host these are shared).
+        let mut scratch_full = Vec::new();
+        if self.cfg.pid1 {
+            for dir in [self.cfg.tmp.as_path(), Path::new(SHM)] {
+                if scratch::nearly_full(dir) {
+                    let removed = scratch::remove_changed_since(dir, started_at);
+                    scratch_full.push(format!(
+                        "{} full: {removed} entries this exec made there were removed",
+                        dir.display()
+                    ));
+                }
+            }
+        }
         let mut limits = Vec::new();
         if ctl.stop == Some(Stop::Time) {
             limits.push(Limit::Time);
         }
-        if ctl.disk_full {
+        if ctl.disk_full || workspace_full || !scratch_full.is_empty() {
             limits.push(Limit::Disk);
         }
-        let oom_rose = matches!((oom_before, oom_kills()), (Some(a), Some(b)) if b > a);
-        if oom_rose || (exit == Some(Exit::Signal(libc::SIGKILL)) && !ctl.killed) {
+        // The cgroup's OOM kill counter says it exactly; without one, a SIGKILL we did not
+        // send is the best guess (a process killing itself with SIGKILL looks the same).
+        let out_of_memory = match (oom_before, oom_kills()) {
+            (Some(a), Some(b)) => b > a,
+            _ => exit == Some(Exit::Signal(libc::SIGKILL)) && !ctl.killed,
+        };
+        if out_of_memory {
             limits.push(Limit::Memory);
         }
         limits.extend(sink.limits());
@@ -540,7 +692,20 @@ impl Worker {
                 Limit::Stdout | Limit::Stderr => {
                     format!("Error: {limit} (limit {} bytes)", sink.cap())
                 }
-                Limit::Disk => format!("Error: {limit} ({})", self.cfg.tmp.display()),
+                Limit::Disk => {
+                    let mut places = Vec::new();
+                    if workspace_full {
+                        places.push(quota.map_or_else(
+                            || self.cfg.workdir.display().to_string(),
+                            Quota::describe,
+                        ));
+                    }
+                    if ctl.disk_full && scratch_full.is_empty() {
+                        places.push(self.cfg.tmp.display().to_string());
+                    }
+                    places.extend(scratch_full.iter().cloned());
+                    format!("Error: {limit} ({})", places.join("; "))
+                }
                 _ => format!("Error: {limit}"),
             });
         }
@@ -597,6 +762,8 @@ impl Worker {
         }
         if self.control.cancelled() {
             ctl.stop = Some(Stop::Cancel);
+        } else if self.control.disk_over() {
+            ctl.stop = Some(Stop::Disk);
         } else if ctl.deadline.is_some_and(|d| Instant::now() >= d) {
             ctl.stop = Some(Stop::Time);
         }
@@ -605,6 +772,7 @@ impl Worker {
             // interrupt does not reach, a client that ignores signals).
             tools.stop(match stop {
                 Stop::Time => Limit::Time.message(),
+                Stop::Disk => Limit::Disk.message(),
                 Stop::Cancel => "Cancelled",
             });
         }
@@ -1014,7 +1182,9 @@ impl Worker {
                 && (interrupted_at.is_some_and(|t| now >= t + INTERRUPT_GRACE)
                     || k.broken_at.is_some_and(|t| now >= t + BROKEN_GRACE));
             if killed_at.is_none() && interrupted_at.is_none() && self.check_stop(ctl) {
-                if k.ready {
+                // Over the quota the kernel goes at once: an interrupt reaches only its
+                // main thread, and other threads would go on writing.
+                if k.ready && ctl.stop != Some(Stop::Disk) {
                     self.tracker.signal(k.pid, k.pid, libc::SIGINT);
                     interrupted_at = Some(now);
                     // Its children are done for anyway, and a fork bomb among them would
@@ -1128,6 +1298,12 @@ impl Worker {
             (None, Some(status)) => Exit::from_raw(status),
             (None, None) => Exit::Signal(libc::SIGKILL),
         };
+        if let (None, false, Exit::Signal(sig)) = (done, ctl.killed, exit) {
+            ctl.notes.push(format!(
+                "Error: the Python kernel was killed by signal {sig}; its variables are \
+                 lost and the next exec starts a new one"
+            ));
+        }
         if alive {
             // The kernel flushed before `done`, so its output is in the pipes already.
             for which in [Stream::Stdout, Stream::Stderr] {
@@ -1196,6 +1372,54 @@ fn seconds(ms: u64) -> String {
     } else {
         let s = format!("{}.{:03}", ms / 1000, ms % 1000);
         s.trim_end_matches('0').to_string()
+    }
+}
+
+/// The quota watcher thread's body: measures the workspace while each exec runs, and
+/// stops the exec once it grew past the quota (see `quota`).
+/// Measures the workspace while the kernel idles, less often than during an exec, until
+/// the next exec starts; kills the kernel (through the worker) if it grew past the quota.
+fn watch_idle(quota: &Quota, control: &Control, base: Usage) {
+    let mut pause = quota::IDLE_INTERVAL;
+    loop {
+        std::thread::sleep(pause);
+        if !control.idle_watching() {
+            return;
+        }
+        let (now, took) = quota::timed_measure(quota);
+        if quota.exceeded(base, now) {
+            control.idle_over_quota();
+            return;
+        }
+        // Idle kernels are the common case: at most a twentieth of a CPU on watching.
+        pause = (took * 20).max(quota::IDLE_INTERVAL);
+    }
+}
+
+pub fn watch_quota(quota: Quota, control: Arc<Control>) {
+    let mut last = None;
+    loop {
+        let (job, base) = match control.next_watch(last) {
+            Watch::Exec(job, base) => (job, base),
+            Watch::Idle(base) => {
+                watch_idle(&quota, &control, base);
+                continue;
+            }
+        };
+        last = Some(job);
+        let mut pause = quota::MIN_INTERVAL;
+        loop {
+            std::thread::sleep(pause);
+            if !control.watching(job) {
+                break;
+            }
+            let (now, took) = quota::timed_measure(&quota);
+            if quota.exceeded(base, now) {
+                control.over_quota(job);
+                break;
+            }
+            pause = quota::interval(took);
+        }
     }
 }
 

@@ -562,8 +562,24 @@ fn py_kernel_death_means_a_fresh_kernel() {
         ),
     );
     assert_eq!(resp.signal, Some(9));
-    // A SIGKILL we did not send counts as the OOM killer's.
-    assert_eq!(resp.limits, vec![Limit::Memory]);
+    assert!(
+        resp.stderr.contains("killed by signal 9"),
+        "{}",
+        resp.stderr
+    );
+    // With the cgroup's OOM kill counter to ask, a SIGKILL is not mistaken for the OOM
+    // killer's; without it, a SIGKILL we did not send is taken for one.
+    let counter = [
+        "/sys/fs/cgroup/memory/memory.oom_control",
+        "/sys/fs/cgroup/memory.events",
+    ]
+    .iter()
+    .any(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains("oom_kill ")));
+    if counter {
+        assert!(resp.limits.is_empty(), "{:?}", resp.limits);
+    } else {
+        assert_eq!(resp.limits, vec![Limit::Memory]);
+    }
     assert!(!alive(kernel));
     let resp = r.exec(3, req(Language::Py, "print('x' in globals())"));
     assert_eq!(resp.stdout, "False\n");
@@ -1236,4 +1252,46 @@ fn tool_round_trip_inside_the_runner() {
     let (tr, _) = r.drive(2, tool_req(Language::Bash, code), add);
     assert_eq!(tr.calls.len(), 20);
     println!("bash tool call, whole command: {:?}", t.elapsed() / 20);
+}
+
+#[test]
+fn workspace_growth_past_the_quota_stops_the_exec() {
+    let mut r = Runner::start_with(&[
+        ("CODEBROKER_WORKSPACE_QUOTA", "8388608"),
+        ("CODEBROKER_WORKSPACE_MAX_FILES", "100"),
+    ]);
+    let resp = r.exec(
+        1,
+        req(
+            Language::Bash,
+            "head -c 1048576 /dev/urandom > keep; echo ok",
+        ),
+    );
+    assert_eq!(resp.stdout, "ok\n");
+    assert!(resp.limits.is_empty(), "{:?}", resp.limits);
+    // Many small writes, slower than the watcher: stopped with the disk limit.
+    let resp = r.exec(
+        2,
+        req(
+            Language::Bash,
+            "i=0; while true; do head -c 262144 /dev/zero > f$i; i=$((i+1)); done",
+        ),
+    );
+    assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
+    assert!(
+        resp.stderr.contains("Disk quota exceeded"),
+        "{}",
+        resp.stderr
+    );
+    // Over the quota, an exec that does not grow the workspace runs; one that frees space
+    // too; nothing was deleted by the runner.
+    let resp = r.exec(3, req(Language::Bash, "ls | wc -l; rm -f f*; ls"));
+    assert!(resp.limits.is_empty(), "{:?}", resp.limits);
+    assert_eq!(resp.stdout.lines().last(), Some("keep"), "{}", resp.stdout);
+    // Too many files.
+    let resp = r.exec(
+        4,
+        req(Language::Bash, "for i in $(seq 1000); do : > n$i; done"),
+    );
+    assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
 }
