@@ -9,7 +9,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test
+.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -23,6 +23,7 @@ test: image
 	$(CARGO) test -p codebroker --tests -- --test-threads=4
 	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
+	$(MAKE) --no-print-directory playground-test
 
 # The real LibreChat client (@librechat/agents, three generations) and LibreChat's file
 # flows against the debug broker binary; ends with node's test summary.
@@ -33,6 +34,11 @@ librechat-test:
 # pluginManifestSchema, runCode through its plugin gateway, against the debug broker binary.
 lobe-test:
 	$(CARGO) build -p codebroker && cd tests/lobe && npm ci --no-audit --no-fund && npm test
+
+# The web playground (GET /) in headless Chromium (Debian's /usr/bin/chromium) through
+# playwright-core, against the debug broker binary; ends with node's test summary.
+playground-test:
+	$(CARGO) build -p codebroker && cd tests/playground && npm ci --no-audit --no-fund && npm test
 
 bench: image
 	$(CARGO) bench -p codebroker --bench exec

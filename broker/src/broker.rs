@@ -586,17 +586,54 @@ impl Broker {
     }
 
     /// On shutdown: drain the pool; leave session containers for the next start to
-    /// re-attach, or remove them when configured to.
+    /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
     pub async fn shutdown(&self) {
         self.pool.drain(&self.docker).await;
-        if self.config.remove_containers_on_shutdown {
-            for session in self.registry.all() {
-                if let Some(sandbox) = session.set_sandbox(None) {
-                    sandbox.close("shutdown");
-                    self.docker.remove(&sandbox.container_id).await;
-                }
+        let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
+        let mut count = 0;
+        for session in self.registry.all() {
+            if !remove {
+                count += usize::from(session.sandbox().is_some());
+                continue;
+            }
+            if let Some(sandbox) = session.set_sandbox(None) {
+                sandbox.close("shutdown");
+                self.docker.remove(&sandbox.container_id).await;
+                count += 1;
             }
         }
+        if remove {
+            self.await_no_containers().await;
+            tracing::info!(removed = count, "removed session containers");
+        } else {
+            tracing::info!(kept = count, "session containers left for the next start");
+        }
+    }
+}
+
+impl Broker {
+    /// Waits (a few seconds at most) until the engine lists none of this instance's
+    /// containers: an exec abandoned at the end of the shutdown grace may be removing its
+    /// own sandbox at the same moment, and the engine answers the second removal with a
+    /// 409 while the first is still under way.
+    async fn await_no_containers(&self) {
+        for round in 0..50 {
+            match self.docker.list_own().await {
+                Ok(left) if left.is_empty() => return,
+                Ok(left) if round % 10 == 9 => {
+                    for container in left {
+                        self.docker.remove(&container.id).await;
+                    }
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot list containers");
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tracing::warn!("session containers are still being removed");
     }
 }
 

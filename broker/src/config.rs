@@ -171,10 +171,22 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10)]
     pub max_output_file_mb: u64,
 
-    /// On shutdown, remove session containers instead of leaving them for the next start
-    /// to re-attach to. Pooled containers are always removed.
-    #[arg(long, env = "CODEBROKER_REMOVE_CONTAINERS_ON_SHUTDOWN", default_value_t = false, action = clap::ArgAction::Set)]
-    pub remove_containers_on_shutdown: bool,
+    /// Seconds a stopping broker (SIGTERM, ctrl-c) lets running requests finish after it
+    /// stops taking new ones; then it stops anyway.
+    #[arg(long, env = "CODEBROKER_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace: u64,
+
+    /// What a stopping broker does with session containers: `keep` leaves them for the next
+    /// start to re-attach to (Python state survives a restart or an upgrade), `remove`
+    /// removes them (nothing keeps running unsupervised). Pooled containers are always
+    /// removed.
+    #[arg(
+        long,
+        env = "CODEBROKER_SHUTDOWN_CONTAINERS",
+        default_value = "keep",
+        value_enum
+    )]
+    pub shutdown_containers: ShutdownContainers,
 
     /// Public keys that verify LibreChat-minted JWTs (`Authorization: Bearer <JWT>`),
     /// comma-separated: each a PEM file path or an inline PEM (`\n` escapes allowed),
@@ -312,6 +324,16 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     number
         .checked_mul(1u64 << shift)
         .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// What happens to session containers when the broker stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShutdownContainers {
+    /// Leave them running; the next start re-attaches to them (or removes them when their
+    /// session is gone).
+    Keep,
+    /// Remove them; their files stay in the data directory.
+    Remove,
 }
 
 /// How callers prove who they are.

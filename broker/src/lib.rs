@@ -6,6 +6,7 @@
 pub mod audit;
 pub mod auth;
 pub mod broker;
+pub mod cli;
 pub mod codemode;
 pub mod config;
 mod diskspace;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod ratelimit;
 pub mod sandbox;
 pub mod session;
+pub mod smoke;
 pub mod storage;
 pub mod workspace;
 
@@ -25,7 +27,7 @@ use crate::broker::Broker;
 use crate::config::Config;
 use crate::sandbox::DockerBackend;
 use anyhow::Context;
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -58,13 +60,15 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     Ok(broker)
 }
 
-/// Serves until `shutdown` resolves, with the pool and the idle reaper running beside.
+/// Serves until `shutdown` resolves; then stops taking connections, gives the requests
+/// under way `CODEBROKER_SHUTDOWN_GRACE` to finish, and stops the broker.
 pub async fn run(
     listener: TcpListener,
     broker: Arc<Broker>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
         broker.docker.clone(),
         broker.config.clone(),
@@ -83,18 +87,33 @@ pub async fn run(
             tracing::debug!(error = %err, "cannot set TCP_NODELAY");
         }
     });
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            stopping.cancel();
-        })
-        .await;
+    let signalled = stop_tx.clone();
+    let served = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown.await;
+        tracing::info!("stopping: no new connections; waiting for the requests under way");
+        // The pool stops refilling at once: containers started now would only be removed.
+        let _ = signalled.send(true);
+        stopping.cancel();
+    });
+    let grace = Duration::from_secs(broker.config.shutdown_grace);
+    let mut grace_over = stop_rx.clone();
+    let served = tokio::select! {
+        served = served.into_future() => served.context("server failed"),
+        _ = async {
+            let _ = grace_over.wait_for(|s| *s).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(grace_secs = grace.as_secs(), "requests still under way after the grace period; stopping anyway");
+            Ok(())
+        }
+    };
 
     let _ = stop_tx.send(true);
     let _ = refiller.await;
     let _ = reaper.await;
     broker.shutdown().await;
-    served.context("server failed")
+    tracing::info!("stopped");
+    served
 }
 
 async fn reap_loop(broker: Arc<Broker>, mut stop: tokio::sync::watch::Receiver<bool>) {

@@ -1,10 +1,25 @@
 use clap::Parser;
-use codebroker::config::Config;
+use codebroker::cli::{Cli, Command};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let config = Config::parse();
+    let cli = Cli::parse();
+    match cli.command {
+        None | Some(Command::Serve) => serve(cli.config).await,
+        Some(Command::Smoke(args)) => {
+            if !codebroker::smoke::run(args).await? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Some(Command::Healthcheck { url }) => {
+            codebroker::smoke::healthcheck(&Cli::health_url(&cli.config, url.as_deref())).await
+        }
+    }
+}
+
+async fn serve(config: codebroker::config::Config) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if config.log_format == "json" {
         tracing_subscriber::fmt()
@@ -19,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
     codebroker::run(listener, broker, shutdown_signal()).await
 }
 
-/// Resolves on SIGINT or SIGTERM.
+/// Resolves on SIGINT (ctrl-c) or SIGTERM.
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -27,8 +42,7 @@ async fn shutdown_signal() {
         Err(_) => return ctrl_c.await.unwrap_or(()),
     };
     tokio::select! {
-        _ = ctrl_c => {}
-        _ = term.recv() => {}
+        _ = ctrl_c => tracing::info!("SIGINT"),
+        _ = term.recv() => tracing::info!("SIGTERM"),
     }
-    tracing::info!("shutting down");
 }

@@ -6,6 +6,7 @@ pub mod files;
 pub mod health;
 pub mod lobe;
 pub mod openapi;
+pub mod playground;
 pub mod programmatic;
 
 use crate::auth::require_auth;
@@ -55,6 +56,7 @@ pub fn router(state: AppState) -> Router {
         .merge(protected)
         .merge(health::public_router())
         .merge(openapi::router())
+        .merge(playground::router())
         .merge(lobe::router(&state));
     let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
     Router::new()

@@ -121,6 +121,8 @@ pub struct UploadFormDoc {
         mcp_post,
         mcp_delete,
         openapi_json,
+        super::playground::page,
+        super::playground::asset,
     ),
     components(schemas(ErrorBody, ExecResponseDoc, ExecFileDoc, UploadFormDoc)),
     modifiers(&SecuritySchemes),

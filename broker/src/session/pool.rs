@@ -112,6 +112,12 @@ impl Pool {
                 _ = shutdown.wait_for(|s| *s) => break,
             }
         }
+        // A container still being started would outlive the drain: wait for those first
+        // (each start is bounded by the engine's own timeouts; this bound is a backstop).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while self.creating.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+            let _ = tokio::time::timeout(Duration::from_millis(100), self.wake.notified()).await;
+        }
         self.drain(&docker).await;
     }
 
