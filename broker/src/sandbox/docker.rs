@@ -128,6 +128,9 @@ impl DockerBackend {
                 config: None,
             }),
             init: Some(false),
+            runtime: Some(c.runtime.trim())
+                .filter(|r| !r.is_empty())
+                .map(str::to_string),
             ..Default::default()
         };
         let uid = c.sandbox_uid;
