@@ -67,11 +67,7 @@ async fn the_broker_recovers_from_a_docker_daemon_restart() {
     assert!(script.exists(), "{} is missing", script.display());
     let broker = TestBroker::start("hh-daemon").await;
     let before = broker
-        .run(
-            "bash",
-            "echo kept > /mnt/data/kept.txt; echo before",
-            None,
-        )
+        .run("bash", "echo kept > /mnt/data/kept.txt; echo before", None)
         .await;
     let s = session(&before);
     let kept = before["files"][0]["id"].as_str().expect("file").to_string();

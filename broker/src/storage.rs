@@ -289,7 +289,9 @@ impl Broker {
 fn in_the_way(err: &std::io::Error) -> Option<&'static str> {
     use std::io::ErrorKind;
     match (err.kind(), err.raw_os_error()) {
-        (ErrorKind::AlreadyExists | ErrorKind::IsADirectory, _) => Some("a directory has that name"),
+        (ErrorKind::AlreadyExists | ErrorKind::IsADirectory, _) => {
+            Some("a directory or a link is in the way")
+        }
         (ErrorKind::NotADirectory, _) | (_, Some(libc::ENOTDIR)) => {
             Some("a part of the path is not a directory")
         }

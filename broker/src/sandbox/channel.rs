@@ -72,7 +72,10 @@ impl RunnerChannel {
         RunnerChannel {
             writer: tokio::sync::Mutex::new(input),
             waiters,
-            next_job: AtomicU64::new(1),
+            // Jobs a runner still runs for an earlier channel (a broker that died) must not
+            // be taken for this channel's: each channel numbers its jobs from a random
+            // start, kept below 2^52 so the ids stay exact as JSON numbers.
+            next_job: AtomicU64::new(rand::random_range(1..1u64 << 52)),
             closed,
             close_tx,
             reader,
@@ -307,6 +310,7 @@ mod tests {
         let msg = WorkerMessage::Hello(HelloResponse {
             runner_version: "t".into(),
             kernel_running: false,
+            running_job: None,
         });
         format!(
             "{}\n",

@@ -199,9 +199,12 @@ impl DockerBackend {
     pub async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
         let channel = self.attach_channel(container_id).await?;
         let sandbox = Sandbox::new(container_id.to_string(), channel);
-        tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(false))
+        // The runner may still run an exec of the broker that died: stop it first. The
+        // runner stops an exec within a second or two (a kernel that ignores SIGINT is
+        // killed), so the hello timeout bounds the wait.
+        tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
             .await
-            .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
+            .map_err(|_| anyhow!("the runner did not become idle within {HELLO_TIMEOUT:?}"))?
             .context("the runner did not answer")?;
         Ok(sandbox)
     }

@@ -178,7 +178,10 @@ mod tests {
         drop(exec_turn);
         // After the exec: used a moment ago, not idle.
         assert!(session.claim_if_idle(1_000).is_none());
-        assert!(session.claim_if_idle(0).is_some(), "a zero TTL reaps at once");
+        assert!(
+            session.claim_if_idle(0).is_some(),
+            "a zero TTL reaps at once"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
