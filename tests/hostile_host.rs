@@ -1260,9 +1260,10 @@ async fn a_killed_broker_restarts_without_leaks_or_losses() {
     drop(second);
 }
 
-#[tokio::test]
-async fn sixty_four_sessions_at_once_are_served_or_refused_cleanly() {
-    let broker = TestBroker::start_with("hh-burst", |c| c.max_containers = 24).await;
+/// Starts 64 sessions at once on a broker with `max_containers` (0: no cap); every
+/// request is served or refused with 429, never a 5xx. Returns how many were served.
+async fn burst_of_64(tag: &str, max_containers: usize) -> usize {
+    let broker = TestBroker::start_with(tag, |c| c.max_containers = max_containers).await;
     let bystander = Bystander::start(&broker).await;
     let requests = (0..64).map(|i| {
         let broker = &broker;
@@ -1300,6 +1301,18 @@ async fn sixty_four_sessions_at_once_are_served_or_refused_cleanly() {
     assert_eq!(served.len() + refused, 64);
     echo_ok(&broker, &served[0]).await;
     bystander.check(&broker).await;
+    served.len()
+}
+
+#[tokio::test]
+async fn sixty_four_sessions_at_once_are_all_served() {
+    assert_eq!(burst_of_64("hh-burst", 0).await, 64);
+}
+
+#[tokio::test]
+async fn sixty_four_sessions_over_the_cap_are_refused_with_429() {
+    // 24 sandboxes at most, the bystander's included.
+    assert_eq!(burst_of_64("hh-burst-cap", 24).await, 23);
 }
 
 #[tokio::test]
