@@ -323,7 +323,8 @@ mod tests {
         let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
         let (input, _sink) = tokio::io::duplex(1 << 16);
         let chan = RunnerChannel::new("t".into(), tokio_stream_from(out_rx), Box::pin(input));
-        let frame = hello_frame(1);
+        let job = chan.new_job();
+        let frame = hello_frame(job);
         let (a, b) = frame.split_at(5);
         out_tx
             .send(Ok(AttachOutput::Stdout(a.to_string().into())))
@@ -331,8 +332,30 @@ mod tests {
         out_tx
             .send(Ok(AttachOutput::Stdout(b.to_string().into())))
             .unwrap();
-        let msg = chan.request(HelloRequest::default(), |_| {}).await.unwrap();
+        let msg = chan
+            .request_as(job, HelloRequest::default(), |_| {})
+            .await
+            .unwrap();
         assert!(matches!(msg, WorkerMessage::Hello(_)));
+    }
+
+    #[tokio::test]
+    async fn channels_number_their_jobs_apart() {
+        // A runner may still run a job of an earlier channel (a broker that died); a new
+        // channel's ids must not meet it.
+        let open = || {
+            let (_tx, rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
+            let (input, _sink) = tokio::io::duplex(64);
+            RunnerChannel::new("t".into(), tokio_stream_from(rx), Box::pin(input))
+        };
+        let (a, b) = (open(), open());
+        let (first_a, first_b) = (a.new_job(), b.new_job());
+        assert_ne!(first_a, first_b);
+        assert!(
+            first_a < 1 << 52 && first_b < 1 << 52,
+            "ids stay exact in JSON"
+        );
+        assert_eq!(a.new_job(), first_a + 1);
     }
 
     #[tokio::test]
