@@ -339,3 +339,43 @@ impl DockerBackend {
 pub fn short(id: &str) -> String {
     id.chars().take(12).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(config: Config) -> DockerBackend {
+        DockerBackend {
+            docker: bollard::Docker::connect_with_local_defaults().expect("client"),
+            config: Arc::new(config),
+            api_errors: DockerErrors::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_profile_is_locked_down_and_names_the_runtime() {
+        let mut config = Config::for_tests("/data".into(), "t");
+        let body = backend(config.clone()).container_body("s", Path::new("/data/s/files"));
+        let host = body.host_config.expect("host config");
+        assert_eq!(host.runtime, None, "the daemon's default runtime");
+        assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(
+            host.security_opt,
+            Some(vec!["no-new-privileges".to_string()])
+        );
+        assert_eq!(host.network_mode.as_deref(), Some("none"));
+        assert_eq!(host.readonly_rootfs, Some(true));
+        assert_eq!(
+            host.binds,
+            Some(vec![format!("/data/s/files:{WORKDIR}:rw")])
+        );
+        assert_eq!(body.user.as_deref(), Some("10001:10001"));
+
+        config.runtime = " runsc ".into();
+        let body = backend(config).container_body("s", Path::new("/data/s/files"));
+        assert_eq!(
+            body.host_config.expect("host config").runtime.as_deref(),
+            Some("runsc")
+        );
+    }
+}
