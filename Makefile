@@ -1,7 +1,9 @@
 # codebroker: the commands people type.
 #   make image   build the sandbox image (runner and kernel included)
 #   make run     build and start the broker on 127.0.0.1:8000 without auth (local trial)
-#   make test    unit tests, then end-to-end tests against Docker and the image
+#   make test    unit tests, then end-to-end tests against Docker and the image (the
+#                Docker-daemon restart test last)
+#   make leftovers  containers and workspaces a test run left behind (fails on any)
 #   make bench   latency table side by side with the docker exec / docker run baselines
 
 IMAGE ?= codebroker-sandbox:latest
@@ -9,7 +11,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test
+.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test daemon-test leftovers
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -24,6 +26,16 @@ test: image
 	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
 	$(MAKE) --no-print-directory playground-test
+	$(MAKE) --no-print-directory daemon-test
+
+# Restarts the Docker daemon under a running broker, which disrupts anything else using
+# it: last, on its own (the test is #[ignore]d in the run above).
+daemon-test:
+	$(CARGO) test -p codebroker --test hostile_daemon -- --ignored --test-threads=1
+
+# What a test run left behind: containers with codebroker labels, session workspaces.
+leftovers:
+	.ci/leftovers
 
 # The real LibreChat client (@librechat/agents, three generations) and LibreChat's file
 # flows against the debug broker binary; ends with node's test summary.

@@ -275,6 +275,8 @@ impl Broker {
         hooks: ExecHooks,
     ) -> AppResult<ExecOutput> {
         let _turn = session.acquire().await;
+        // Used from now on: the idle reaper leaves the sandbox of a starting exec alone.
+        session.touch();
         let observed =
             crate::metrics::ExecObservation::start(&self.metrics, &self.audit, &session, &input);
         let started = Instant::now();
@@ -566,14 +568,29 @@ impl Broker {
             let Some(sandbox) = session.sandbox() else {
                 continue;
             };
-            let idle = now.saturating_sub(session.last_used_ms()) >= ttl_ms;
+            let idle = session.is_idle(ttl_ms, now);
             if !idle && sandbox.is_alive() {
                 continue;
             }
-            // An exec in progress keeps its sandbox.
-            let Some(_turn) = session.try_acquire() else {
+            // An exec in progress keeps its sandbox, and so does one that started since
+            // the look above (it marked the session used): idleness is checked again with
+            // the turn held.
+            let turn = if sandbox.is_alive() {
+                session.claim_if_idle(ttl_ms)
+            } else {
+                session.try_acquire()
+            };
+            let Some(_turn) = turn else {
                 continue;
             };
+            // The sandbox may have been replaced while the turn was elsewhere.
+            let Some(sandbox) = session.sandbox() else {
+                continue;
+            };
+            let idle = session.is_idle(ttl_ms, now_ms());
+            if !idle && sandbox.is_alive() {
+                continue;
+            }
             tracing::debug!(session = session.id(), "removing idle or dead sandbox");
             let expired = serde_json::json!({
                 "user": session.meta.user,

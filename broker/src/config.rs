@@ -138,6 +138,12 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_DROP_CAPABILITIES", default_value_t = true, action = clap::ArgAction::Set)]
     pub drop_capabilities: bool,
 
+    /// OCI runtime of the sandbox containers (`HostConfig.Runtime`), e.g. `runsc` (gVisor) or
+    /// `kata-runtime`, registered with the Docker daemon first; empty: the daemon's default
+    /// (runc). A user-space kernel is what stands between code and a host kernel bug.
+    #[arg(long, env = "CODEBROKER_RUNTIME", default_value = "")]
+    pub runtime: String,
+
     /// Seconds a session's container may sit idle before it is removed (its files stay).
     #[arg(long, env = "CODEBROKER_IDLE_TTL_SECS", default_value_t = 600)]
     pub idle_ttl_secs: u64,

@@ -67,14 +67,25 @@ impl Broker {
         let records = tokio::task::spawn_blocking(move || {
             let mut records = Vec::new();
             for file in files {
-                std::fs::create_dir_all(workspace.blobs_dir())?;
-                workspace.commit_blob(&file.temp, &file.sha256)?;
-                let stamp = workspace.place_blob(
-                    &workspace.blob_path(&file.sha256),
-                    &file.name,
-                    uid,
-                    read_only,
-                )?;
+                std::fs::create_dir_all(workspace.blobs_dir())
+                    .and_then(|()| workspace.commit_blob(&file.temp, &file.sha256))
+                    .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
+                // The workspace is the code's: a directory, or a link leading out of it,
+                // may stand where the name goes. That is the name's problem, not ours.
+                let stamp = workspace
+                    .place_blob(
+                        &workspace.blob_path(&file.sha256),
+                        &file.name,
+                        uid,
+                        read_only,
+                    )
+                    .map_err(|e| match in_the_way(&e) {
+                        Some(why) => AppError::Conflict(format!(
+                            "cannot place {:?} in /mnt/data: {why}",
+                            file.name
+                        )),
+                        None => AppError::internal(format!("cannot place upload: {e}")),
+                    })?;
                 records.push(FileRecord {
                     id: new_id(),
                     name: file.name.to_string_lossy().into_owned(),
@@ -89,11 +100,10 @@ impl Broker {
                     modified_from: None,
                 });
             }
-            Ok::<_, std::io::Error>(records)
+            Ok::<_, AppError>(records)
         })
         .await
-        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))?
-        .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
+        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))??;
         let index = {
             let mut index = session.index();
             for record in &records {
@@ -270,6 +280,27 @@ impl Broker {
                 }
             }
         }
+    }
+}
+
+/// Whether placing a file failed because of what the code left in the workspace (a
+/// directory at the name, a link or special file on the path), and why in words for the
+/// client; `None` for the broker's own failures (a full disk).
+fn in_the_way(err: &std::io::Error) -> Option<&'static str> {
+    use std::io::ErrorKind;
+    match (err.kind(), err.raw_os_error()) {
+        (ErrorKind::AlreadyExists | ErrorKind::IsADirectory, _) => {
+            Some("a directory or a link is in the way")
+        }
+        (ErrorKind::NotADirectory, _) | (_, Some(libc::ENOTDIR)) => {
+            Some("a part of the path is not a directory")
+        }
+        // cap-std's answer to a path that would leave the workspace, and ELOOP for a link
+        // opened without following it.
+        (ErrorKind::PermissionDenied, _) | (_, Some(libc::ELOOP)) => {
+            Some("a part of the path is a link")
+        }
+        _ => None,
     }
 }
 

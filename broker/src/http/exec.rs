@@ -194,28 +194,41 @@ async fn exec(
     state.broker.limits.check_exec(choice.user.as_deref())?;
     let broker = state.broker.clone();
     let session = broker.choose_session(&choice, &input.files).await?;
-    // The exec runs in a task of its own: a client that goes away does not leave the
-    // session half-way through a call.
-    let mut task =
-        tokio::spawn(async move { broker.exec(session, input, Default::default()).await });
+    // The exec runs in a task of its own, so a client that goes away does not leave the
+    // session half-way through a call; it is told to stop instead (the guard, dropped with
+    // this handler or with the response body, cancels it), so its code does not run on
+    // for nobody.
+    let cancel = CancellationToken::new();
+    let hooks = ExecHooks {
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let cancel_on_drop = cancel.drop_guard();
+    let mut task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
 
     match tokio::time::timeout(KEEPALIVE_AFTER, &mut task).await {
         Ok(joined) => {
+            cancel_on_drop.disarm();
             let output =
                 joined.map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
             Ok(axum::Json(output_json(&output)).into_response())
         }
-        Err(_) => Ok(keepalive_response(task)),
+        Err(_) => Ok(keepalive_response(task, cancel_on_drop)),
     }
 }
 
 /// A 200 whose body is whitespace every few seconds, then the JSON (JSON parsers skip
-/// leading whitespace). An error after this point can only be told in the body.
-fn keepalive_response(task: tokio::task::JoinHandle<AppResult<ExecOutput>>) -> Response {
-    let stream = futures::stream::unfold(Some(task), |task| async move {
-        let mut task = task?;
+/// leading whitespace). An error after this point can only be told in the body. The body
+/// holds `cancel_on_drop`: a client that disconnects stops the exec.
+fn keepalive_response(
+    task: tokio::task::JoinHandle<AppResult<ExecOutput>>,
+    cancel_on_drop: tokio_util::sync::DropGuard,
+) -> Response {
+    let stream = futures::stream::unfold(Some((task, cancel_on_drop)), |state| async move {
+        let (mut task, cancel_on_drop) = state?;
         tokio::select! {
             joined = &mut task => {
+                cancel_on_drop.disarm();
                 let body = match joined {
                     Ok(Ok(output)) => output_json(&output),
                     Ok(Err(err)) => err.body(),
@@ -223,7 +236,9 @@ fn keepalive_response(task: tokio::task::JoinHandle<AppResult<ExecOutput>>) -> R
                 };
                 Some((Ok::<_, std::io::Error>(body.to_string().into_bytes()), None))
             }
-            _ = tokio::time::sleep(KEEPALIVE_EVERY) => Some((Ok(b" ".to_vec()), Some(task))),
+            _ = tokio::time::sleep(KEEPALIVE_EVERY) => {
+                Some((Ok(b" ".to_vec()), Some((task, cancel_on_drop))))
+            }
         }
     });
     let stream =
@@ -260,15 +275,22 @@ fn stream_event(name: &str, data: Value, ndjson: bool) -> Result<Bytes, std::con
     Ok(Bytes::from(text))
 }
 
+/// Largest image a `display` event carries inline.
+const MAX_INLINE_DISPLAY_BYTES: u64 = 5 * 1024 * 1024;
+
 /// A `display` event: what the code showed, with the image inline when it is small.
 fn display_json(workspace: &crate::workspace::Workspace, display: DisplayData) -> Value {
     let mut out = json!({ "mime": display.mime });
     if let Some(name) = &display.name {
         out["name"] = json!(name);
         out["path"] = json!(format!("/mnt/data/{name}"));
-        if let Ok((mut file, size)) = workspace.open_file(name) {
+        if let Ok((file, size)) = workspace.open_file(name) {
             let mut bytes = Vec::new();
-            if size <= 5 * 1024 * 1024 && std::io::Read::read_to_end(&mut file, &mut bytes).is_ok()
+            // The code may still be appending to it: never read past the cap.
+            let mut capped = std::io::Read::take(file, MAX_INLINE_DISPLAY_BYTES + 1);
+            if size <= MAX_INLINE_DISPLAY_BYTES
+                && std::io::Read::read_to_end(&mut capped, &mut bytes).is_ok()
+                && bytes.len() as u64 <= MAX_INLINE_DISPLAY_BYTES
             {
                 use base64::Engine as _;
                 out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));

@@ -72,7 +72,10 @@ impl RunnerChannel {
         RunnerChannel {
             writer: tokio::sync::Mutex::new(input),
             waiters,
-            next_job: AtomicU64::new(1),
+            // Jobs a runner still runs for an earlier channel (a broker that died) must not
+            // be taken for this channel's: each channel numbers its jobs from a random
+            // start, kept below 2^52 so the ids stay exact as JSON numbers.
+            next_job: AtomicU64::new(rand::random_range(1..1u64 << 52)),
             closed,
             close_tx,
             reader,
@@ -307,6 +310,7 @@ mod tests {
         let msg = WorkerMessage::Hello(HelloResponse {
             runner_version: "t".into(),
             kernel_running: false,
+            running_job: None,
         });
         format!(
             "{}\n",
@@ -319,7 +323,8 @@ mod tests {
         let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
         let (input, _sink) = tokio::io::duplex(1 << 16);
         let chan = RunnerChannel::new("t".into(), tokio_stream_from(out_rx), Box::pin(input));
-        let frame = hello_frame(1);
+        let job = chan.new_job();
+        let frame = hello_frame(job);
         let (a, b) = frame.split_at(5);
         out_tx
             .send(Ok(AttachOutput::Stdout(a.to_string().into())))
@@ -327,8 +332,30 @@ mod tests {
         out_tx
             .send(Ok(AttachOutput::Stdout(b.to_string().into())))
             .unwrap();
-        let msg = chan.request(HelloRequest::default(), |_| {}).await.unwrap();
+        let msg = chan
+            .request_as(job, HelloRequest::default(), |_| {})
+            .await
+            .unwrap();
         assert!(matches!(msg, WorkerMessage::Hello(_)));
+    }
+
+    #[tokio::test]
+    async fn channels_number_their_jobs_apart() {
+        // A runner may still run a job of an earlier channel (a broker that died); a new
+        // channel's ids must not meet it.
+        let open = || {
+            let (_tx, rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
+            let (input, _sink) = tokio::io::duplex(64);
+            RunnerChannel::new("t".into(), tokio_stream_from(rx), Box::pin(input))
+        };
+        let (a, b) = (open(), open());
+        let (first_a, first_b) = (a.new_job(), b.new_job());
+        assert_ne!(first_a, first_b);
+        assert!(
+            first_a < 1 << 52 && first_b < 1 << 52,
+            "ids stay exact in JSON"
+        );
+        assert_eq!(a.new_job(), first_a + 1);
     }
 
     #[tokio::test]

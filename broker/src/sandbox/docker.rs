@@ -136,6 +136,9 @@ impl DockerBackend {
                 config: None,
             }),
             init: Some(false),
+            runtime: Some(c.runtime.trim())
+                .filter(|r| !r.is_empty())
+                .map(str::to_string),
             ..Default::default()
         };
         let uid = c.sandbox_uid;
@@ -209,9 +212,12 @@ impl DockerBackend {
     pub async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
         let channel = self.attach_channel(container_id).await?;
         let sandbox = Sandbox::new(container_id.to_string(), channel);
-        tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(false))
+        // The runner may still run an exec of the broker that died: stop it first. The
+        // runner stops an exec within a second or two (a kernel that ignores SIGINT is
+        // killed), so the hello timeout bounds the wait.
+        tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
             .await
-            .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
+            .map_err(|_| anyhow!("the runner did not become idle within {HELLO_TIMEOUT:?}"))?
             .context("the runner did not answer")?;
         Ok(sandbox)
     }
@@ -365,4 +371,44 @@ fn fsize_bytes(c: &Config) -> i64 {
 /// The first 12 characters of a container id, as `docker ps` shows it.
 pub fn short(id: &str) -> String {
     id.chars().take(12).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(config: Config) -> DockerBackend {
+        DockerBackend {
+            docker: bollard::Docker::connect_with_local_defaults().expect("client"),
+            config: Arc::new(config),
+            api_errors: DockerErrors::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_profile_is_locked_down_and_names_the_runtime() {
+        let mut config = Config::for_tests("/data".into(), "t");
+        let body = backend(config.clone()).container_body("s", Path::new("/data/s/files"));
+        let host = body.host_config.expect("host config");
+        assert_eq!(host.runtime, None, "the daemon's default runtime");
+        assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(
+            host.security_opt,
+            Some(vec!["no-new-privileges".to_string()])
+        );
+        assert_eq!(host.network_mode.as_deref(), Some("none"));
+        assert_eq!(host.readonly_rootfs, Some(true));
+        assert_eq!(
+            host.binds,
+            Some(vec![format!("/data/s/files:{WORKDIR}:rw")])
+        );
+        assert_eq!(body.user.as_deref(), Some("10001:10001"));
+
+        config.runtime = " runsc ".into();
+        let body = backend(config).container_body("s", Path::new("/data/s/files"));
+        assert_eq!(
+            body.host_config.expect("host config").runtime.as_deref(),
+            Some("runsc")
+        );
+    }
 }

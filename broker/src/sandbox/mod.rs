@@ -77,11 +77,27 @@ impl Sandbox {
     }
 
     /// Checks the runner answers; optionally starts its Python kernel.
-    pub async fn hello(&self, start_kernel: bool) -> Result<(), ChannelError> {
+    pub async fn hello(
+        &self,
+        start_kernel: bool,
+    ) -> Result<sandbox_runner::HelloResponse, ChannelError> {
         let req = sandbox_runner::HelloRequest { start_kernel };
         match self.channel.request(req, |_| {}).await? {
-            WorkerMessage::Hello(_) => Ok(()),
+            WorkerMessage::Hello(hello) => Ok(hello),
             other => Err(ChannelError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Stops an exec the runner still runs for an earlier broker (one that died during
+    /// it) and waits until the runner is idle, so the next exec is not refused as busy.
+    pub async fn stop_orphaned_job(&self) -> Result<(), ChannelError> {
+        loop {
+            let hello = self.hello(false).await?;
+            let Some(job) = hello.running_job else {
+                return Ok(());
+            };
+            self.channel.cancel(job).await?;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
 }

@@ -122,9 +122,108 @@ impl Session {
     pub fn last_used_ms(&self) -> u64 {
         self.last_used_ms.load(Ordering::Relaxed)
     }
+
+    /// Whether the session has not been used for `ttl_ms` at `now_ms`.
+    pub fn is_idle(&self, ttl_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.last_used_ms()) >= ttl_ms
+    }
+
+    /// The turn, for the idle reaper, when the session has been idle for `ttl_ms`. Idleness
+    /// is looked at again once the turn is held: an exec that took the turn between the
+    /// first look and the take marked the session used, so its sandbox stays.
+    pub fn claim_if_idle(&self, ttl_ms: u64) -> Option<OwnedSemaphorePermit> {
+        if !self.is_idle(ttl_ms, now_ms()) {
+            return None;
+        }
+        let turn = self.try_acquire()?;
+        self.is_idle(ttl_ms, now_ms()).then_some(turn)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing leaves these values half-updated, so a poisoned lock is still usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle_session() -> Session {
+        let meta = SessionMeta {
+            id: crate::ids::new_id(),
+            user: None,
+            entity_id: None,
+            runtime_hint: None,
+            created_ms: 0,
+        };
+        let workspace = Workspace::new(std::path::Path::new("/nonexistent"), &meta.id);
+        Session::new(meta, workspace, FileIndex::default())
+    }
+
+    #[test]
+    fn an_idle_session_can_be_claimed() {
+        let session = idle_session();
+        assert!(session.is_idle(1_000, now_ms()));
+        assert!(session.claim_if_idle(1_000).is_some());
+    }
+
+    #[tokio::test]
+    async fn an_exec_holding_the_turn_keeps_its_session() {
+        let session = idle_session();
+        let exec_turn = session.acquire().await;
+        // The reaper looked before the exec marked the session used: the turn is taken.
+        assert!(session.claim_if_idle(1_000).is_none());
+        session.touch();
+        drop(exec_turn);
+        // After the exec: used a moment ago, not idle.
+        assert!(session.claim_if_idle(1_000).is_none());
+        assert!(
+            session.claim_if_idle(0).is_some(),
+            "a zero TTL reaps at once"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reaper_and_exec_racing_never_overlap() {
+        // An exec takes the turn and marks the session used; the reaper claims in a loop.
+        // Whoever wins, the reaper never holds the turn while an exec runs, and never
+        // claims a session an exec used less than the TTL ago.
+        for _ in 0..200 {
+            let session = Arc::new(idle_session());
+            let running = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let exec = {
+                let (session, running) = (session.clone(), running.clone());
+                tokio::spawn(async move {
+                    let _turn = session.acquire().await;
+                    session.touch();
+                    running.store(true, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    running.store(false, Ordering::SeqCst);
+                    session.touch();
+                })
+            };
+            let reaper = {
+                let (session, running) = (session.clone(), running.clone());
+                tokio::spawn(async move {
+                    let mut claims = 0;
+                    for _ in 0..50 {
+                        if let Some(_turn) = session.claim_if_idle(60_000) {
+                            assert!(!running.load(Ordering::SeqCst), "reaped during an exec");
+                            claims += 1;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    claims
+                })
+            };
+            exec.await.unwrap();
+            let claims = reaper.await.unwrap();
+            assert!(claims <= 50);
+            assert!(
+                session.claim_if_idle(60_000).is_none(),
+                "used just now: not idle"
+            );
+        }
+    }
 }

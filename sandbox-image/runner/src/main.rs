@@ -249,6 +249,7 @@ fn handle(line: &[u8], chan: &Channel, control: &Control) {
             let resp = HelloResponse {
                 runner_version: env!("CARGO_PKG_VERSION").into(),
                 kernel_running: control.kernel_running.load(Ordering::Relaxed),
+                running_job: control.current_job(),
             };
             chan.send(job, &WorkerMessage::Hello(resp));
         }

@@ -89,6 +89,10 @@ pub struct HelloResponse {
     pub runner_version: String,
     /// Whether a Python kernel process is running right now.
     pub kernel_running: bool,
+    /// The exec queued or running, if any: after a broker restart, one the old broker
+    /// started, which the new one cancels before it sends its own.
+    #[serde(default)]
+    pub running_job: Option<JobId>,
 }
 
 /// Run one piece of code.

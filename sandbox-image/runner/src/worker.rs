@@ -148,6 +148,11 @@ impl Control {
         Ok(())
     }
 
+    /// The exec queued or running, if any.
+    pub fn current_job(&self) -> Option<JobId> {
+        self.lock().current
+    }
+
     /// Asks the exec of `job` to stop; ignored when that job is not running (it may just
     /// have finished).
     pub fn cancel(&self, job: JobId) {
