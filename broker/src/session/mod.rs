@@ -2,6 +2,7 @@
 //!
 //! Execs of one session run one at a time, in arrival order; sessions run in parallel.
 
+pub mod evict;
 pub mod pool;
 pub mod registry;
 
@@ -46,6 +47,9 @@ pub struct Session {
     index: Mutex<FileIndex>,
     /// Milliseconds since the epoch of the last exec's end, for the idle reaper.
     last_used_ms: AtomicU64,
+    /// Execs run since the broker loaded the session: a session used once is likely
+    /// never used again, and its container goes sooner (see `evict`).
+    execs: AtomicU64,
 }
 
 impl Session {
@@ -65,6 +69,7 @@ impl Session {
             sandbox: Mutex::new(None),
             index: Mutex::new(index),
             last_used_ms: AtomicU64::new(last_used),
+            execs: AtomicU64::new(0),
         }
     }
 
@@ -116,6 +121,22 @@ impl Session {
     /// Records that the session was just used.
     pub fn touch(&self) {
         self.last_used_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// Records that an exec ran to its end.
+    pub fn exec_done(&self) {
+        self.execs.fetch_add(1, Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Execs run since the session was loaded.
+    pub fn exec_count(&self) -> u64 {
+        self.execs.load(Ordering::Relaxed)
+    }
+
+    /// Whether an exec holds or waits for the session's turn.
+    pub fn is_busy(&self) -> bool {
+        self.queue.available_permits() == 0
     }
 
     /// Milliseconds since the epoch of the last use.
