@@ -13,6 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
+/// How long after a take the refill waits before starting a container: starting one costs
+/// the engine and the new kernel over a second of CPU, which on a small host would slow
+/// the very exec the taken sandbox was handed out for.
+const REFILL_DELAY: Duration = Duration::from_millis(250);
+
 /// A started sandbox waiting for its session.
 pub struct Pooled {
     /// The id the session will have; the workspace directory is already named after it.
@@ -35,6 +40,8 @@ pub struct Pool {
     creating: AtomicUsize,
     /// Wakes the refiller after a take.
     wake: Notify,
+    /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
+    last_take: Mutex<Option<tokio::time::Instant>>,
     /// Set when draining: a creation that finishes later removes its sandbox instead of
     /// adding it, so nothing outlives the broker.
     closed: AtomicBool,
@@ -48,6 +55,7 @@ impl Pool {
             concurrency: concurrency.max(1),
             creating: AtomicUsize::new(0),
             wake: Notify::new(),
+            last_take: Mutex::new(None),
             closed: AtomicBool::new(false),
         }
     }
@@ -78,6 +86,8 @@ impl Pool {
             }
             // A dead one is dropped; the refiller's sweep removes its container.
         };
+        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(tokio::time::Instant::now());
         self.wake.notify_one();
         taken
     }
@@ -93,6 +103,13 @@ impl Pool {
             return;
         }
         loop {
+            let last_take = *self.last_take.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(taken) = last_take {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
+                    _ = shutdown.wait_for(|s| *s) => break,
+                }
+            }
             while self.ready() + self.creating.load(Ordering::SeqCst) < self.target
                 && self.creating.load(Ordering::SeqCst) < self.concurrency
             {
