@@ -2,7 +2,7 @@
 #   make image   build the sandbox image (runner and kernel included)
 #   make run     build and start the broker on 127.0.0.1:8000 without auth (local trial)
 #   make test    unit tests, then end-to-end tests against Docker and the image
-#   make bench   latency table side by side with the docker exec / docker run baselines
+#   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
 IMAGE ?= codebroker-sandbox:latest
 # The broker, the tests and the bench all read the image name from here.
