@@ -4,7 +4,7 @@
 #   make test    unit tests, then end-to-end tests against Docker and the image (the
 #                Docker-daemon restart test last)
 #   make leftovers  containers and workspaces a test run left behind (fails on any)
-#   make bench   latency table side by side with the docker exec / docker run baselines
+#   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
 IMAGE ?= codebroker-sandbox:latest
 # The broker, the tests and the bench all read the image name from here.

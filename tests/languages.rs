@@ -84,3 +84,48 @@ async fn args_reach_every_kind_of_program() {
         .await;
     assert_eq!(stdout(&resp).trim(), "3", "{resp}");
 }
+
+/// The compile-cache counters of `/metrics`: (hits, misses).
+async fn compile_cache_counts(broker: &TestBroker) -> (u64, u64) {
+    let text = broker.get("/metrics").await.text().await.expect("metrics");
+    let count = |outcome: &str| {
+        let prefix = format!("codebroker_compile_cache_total{{outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (count("hit"), count("miss"))
+}
+
+#[tokio::test]
+async fn a_rerun_program_comes_from_the_compile_cache() {
+    let broker = TestBroker::start("ccache").await;
+    let code =
+        "#include <stdio.h>\nint main(int c, char **v) { printf(\"args %d\\n\", c); return 0; }";
+    let first = broker.run("c", code, None).await;
+    let s = common::session(&first);
+    assert_eq!(stdout(&first), "args 1\n", "{first}");
+    assert_eq!(compile_cache_counts(&broker).await, (0, 1));
+    let second = broker.run("c", code, Some(&s)).await;
+    assert_eq!(second["stdout"], first["stdout"]);
+    assert_eq!(second["exit_code"], 0);
+    assert_eq!(compile_cache_counts(&broker).await, (1, 1));
+    // Another program is compiled; the cache lives outside /mnt/data, so no file shows.
+    let other = broker
+        .run("c", &code.replace("args", "argc"), Some(&s))
+        .await;
+    assert_eq!(stdout(&other), "argc 1\n");
+    assert_eq!(compile_cache_counts(&broker).await, (1, 2));
+    assert_eq!(other["files"], json!([]), "{other}");
+    let ls = broker.run("bash", "ls -A /mnt/data", Some(&s)).await;
+    assert_eq!(stdout(&ls), "");
+    // Java too: its class files are the cached output.
+    let java =
+        "public class Hi { public static void main(String[] a) { System.out.println(\"hi\"); } }";
+    for expected in [(1, 3), (2, 3)] {
+        let r = broker.run("java", java, Some(&s)).await;
+        assert_eq!(stdout(&r), "hi\n", "{r}");
+        assert_eq!(compile_cache_counts(&broker).await, expected);
+    }
+}

@@ -7,6 +7,7 @@ use crate::ids::{is_valid_id, new_id};
 use crate::jwt::JwtKeys;
 use crate::ratelimit::Limits;
 use crate::sandbox::{docker::short, DockerBackend, Sandbox};
+use crate::session::evict::{self, Reason};
 use crate::session::registry::META_FILE;
 use crate::session::{Pool, Registry, Session, SessionMeta};
 use crate::workspace::{now_ms, FileRecord, HarvestLimits, Workspace};
@@ -114,13 +115,15 @@ pub struct ExecOutput {
     pub exit_code: Option<i32>,
     pub duration_ms: u64,
     pub limits: Vec<Limit>,
+    /// For compiled languages, whether the sandbox's compile cache had the program.
+    pub compile_cached: Option<bool>,
 }
 
 impl Broker {
     pub fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
-            pool: Arc::new(Pool::new(config.pool_size)),
+            pool: Arc::new(Pool::new(config.pool_size, config.pool_refill_concurrency)),
             limits: Limits::from_config(&config),
             jwt: JwtKeys::default(),
             metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
@@ -226,6 +229,9 @@ impl Broker {
             &self.config.data_dir,
             self.config.min_free_disk,
         )?;
+        if for_exec {
+            self.make_room();
+        }
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
             .then(|| self.limits.container_slot(&self.registry, user))
@@ -383,6 +389,7 @@ impl Broker {
                 exit_code: done.exit_code,
                 duration_ms: 0,
                 limits: done.limits,
+                compile_cached: done.compile_cached,
             },
             Ok(Err(err)) => {
                 tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, "sandbox failed during an exec");
@@ -418,7 +425,10 @@ impl Broker {
             output.stderr.push('\n');
         }
         output.duration_ms = started.elapsed().as_millis() as u64;
-        session.touch();
+        session.exec_done();
+        if let Some(cached) = output.compile_cached {
+            self.metrics.compile_cache(cached);
+        }
         observed.finish(&output);
         Ok(output)
     }
@@ -431,6 +441,7 @@ impl Broker {
             }
             self.discard_sandbox(session, &sandbox).await;
         }
+        self.make_room();
         let _slot = self
             .limits
             .container_slot(&self.registry, session.meta.user.as_deref())?;
@@ -560,45 +571,112 @@ impl Broker {
         Ok(())
     }
 
-    /// Removes containers idle past the idle TTL (their files stay), and dead ones.
+    /// The eviction rules of the configuration.
+    fn evict_policy(&self) -> evict::Policy {
+        evict::Policy {
+            idle_ttl_ms: self.config.idle_ttl_secs.saturating_mul(1000),
+            single_use_ttl_ms: self.config.single_use_ttl_secs.saturating_mul(1000),
+            max_live: self.config.max_live_sandboxes,
+        }
+    }
+
+    /// Sessions holding a live sandbox, with what the eviction rules look at.
+    fn live_sessions(&self) -> (Vec<Arc<Session>>, Vec<evict::Live>) {
+        let sessions: Vec<Arc<Session>> = self
+            .registry
+            .all()
+            .into_iter()
+            .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
+            .collect();
+        let live = sessions
+            .iter()
+            .map(|s| evict::Live {
+                last_used_ms: s.last_used_ms(),
+                execs: s.exec_count(),
+                busy: s.is_busy(),
+                uses: s.uses(),
+            })
+            .collect();
+        (sessions, live)
+    }
+
+    /// How many session sandboxes are alive now (the pool not counted).
+    pub fn live_sandboxes(&self) -> usize {
+        self.live_sessions().0.len()
+    }
+
+    /// Before one more session sandbox starts: removes the least recently used idle ones
+    /// over the cap (and any past a TTL). The removal itself runs in the background, so
+    /// the new session does not wait for the engine.
+    fn make_room(&self) {
+        let (sessions, live) = self.live_sessions();
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), 1) {
+            self.evict_detached(&sessions[i], reason, live[i].uses);
+        }
+    }
+
+    /// Takes the sandbox away from an idle session and removes its container in the
+    /// background; a session that became busy meanwhile keeps it.
+    fn evict_detached(&self, session: &Arc<Session>, reason: Reason, seen_uses: u64) -> bool {
+        // Used since the snapshot that chose it: no longer the least recently used.
+        let Some(_turn) = session.claim_unused_since(seen_uses) else {
+            return false;
+        };
+        let Some(sandbox) = session.set_sandbox(None) else {
+            return false;
+        };
+        self.record_eviction(session, reason);
+        sandbox.close("evicted");
+        let docker = self.docker.clone();
+        tokio::spawn(async move { docker.remove(&sandbox.container_id).await });
+        true
+    }
+
+    fn record_eviction(&self, session: &Session, reason: Reason) {
+        tracing::debug!(
+            session = session.id(),
+            reason = reason.as_str(),
+            "removing a session sandbox"
+        );
+        self.metrics.sandbox_removed(reason.as_str());
+        let expired = serde_json::json!({
+            "user": session.meta.user,
+            "session": session.id(),
+            "idle": reason != Reason::OverCap,
+            "reason": reason.as_str(),
+        });
+        self.audit.record("session_expire", expired);
+    }
+
+    /// Removes containers past a TTL or over the cap (their files stay), and dead ones.
     pub async fn reap_idle(&self) {
-        let ttl_ms = self.config.idle_ttl_secs.saturating_mul(1000);
-        let now = now_ms();
         for session in self.registry.all() {
             let Some(sandbox) = session.sandbox() else {
                 continue;
             };
-            let idle = session.is_idle(ttl_ms, now);
-            if !idle && sandbox.is_alive() {
+            if sandbox.is_alive() {
                 continue;
             }
-            // An exec in progress keeps its sandbox, and so does one that started since
-            // the look above (it marked the session used): idleness is checked again with
-            // the turn held.
-            let turn = if sandbox.is_alive() {
-                session.claim_if_idle(ttl_ms)
-            } else {
-                session.try_acquire()
-            };
-            let Some(_turn) = turn else {
+            // An exec in progress finds out by itself.
+            let Some(_turn) = session.try_acquire() else {
                 continue;
             };
-            // The sandbox may have been replaced while the turn was elsewhere.
+            tracing::debug!(session = session.id(), "removing a dead sandbox");
+            self.discard_sandbox(&session, &sandbox).await;
+        }
+        let (sessions, live) = self.live_sessions();
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), 0) {
+            let session = &sessions[i];
+            // An exec that took the turn since the snapshot marked the session used: its
+            // sandbox stays.
+            let Some(_turn) = session.claim_unused_since(live[i].uses) else {
+                continue;
+            };
             let Some(sandbox) = session.sandbox() else {
                 continue;
             };
-            let idle = session.is_idle(ttl_ms, now_ms());
-            if !idle && sandbox.is_alive() {
-                continue;
-            }
-            tracing::debug!(session = session.id(), "removing idle or dead sandbox");
-            let expired = serde_json::json!({
-                "user": session.meta.user,
-                "session": session.id(),
-                "idle": idle,
-            });
-            self.audit.record("session_expire", expired);
-            self.discard_sandbox(&session, &sandbox).await;
+            self.record_eviction(session, reason);
+            self.discard_sandbox(session, &sandbox).await;
         }
     }
 
@@ -672,6 +750,7 @@ fn failed_output(session: &Session, message: &str, limits: Vec<Limit>) -> ExecOu
         exit_code: None,
         duration_ms: 0,
         limits,
+        compile_cached: None,
     }
 }
 

@@ -156,6 +156,23 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 
+    /// Pooled containers started at once while refilling, so a burst of new sessions does
+    /// not stall the engine for the sessions already running.
+    #[arg(long, env = "CODEBROKER_POOL_REFILL_CONCURRENCY", default_value_t = 2)]
+    pub pool_refill_concurrency: usize,
+
+    /// Session containers kept alive at once (0: no cap). Starting one more removes the
+    /// least recently used idle one (its files stay; its next exec starts a new container).
+    /// Unlike CODEBROKER_MAX_CONTAINERS this never refuses a request.
+    #[arg(long, env = "CODEBROKER_MAX_LIVE_SANDBOXES", default_value_t = 64)]
+    pub max_live_sandboxes: usize,
+
+    /// Seconds a container whose session ran only one exec may sit idle (0: only the idle
+    /// TTL applies). Clients that send no session id start a session per call, and most
+    /// are never used again.
+    #[arg(long, env = "CODEBROKER_SINGLE_USE_TTL_SECS", default_value_t = 30)]
+    pub single_use_ttl_secs: u64,
+
     /// Seconds a file version is kept after it was written or uploaded; then its id answers
     /// 404 and its space is freed (LibreChat re-uploads after 23 hours).
     #[arg(long, env = "CODEBROKER_FILE_TTL_SECS", default_value_t = 86_400)]
@@ -399,6 +416,9 @@ impl Config {
         config.data_dir = data_dir;
         config.instance = instance.to_string();
         config.listen = "127.0.0.1:0".parse().expect("literal address");
+        // Tests on a loaded machine may take longer than the single-use TTL between two
+        // execs of one session; the tests of that rule turn it on themselves.
+        config.single_use_ttl_secs = 0;
         config
     }
 }

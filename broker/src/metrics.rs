@@ -33,6 +33,20 @@ pub struct LimitLabels {
     pub kind: String,
 }
 
+/// Labels of a removed session sandbox.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// `idle`, `single_use` or `over_cap` (see `session::evict`).
+    pub reason: String,
+}
+
+/// Labels of a compile-cache lookup.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheLabels {
+    /// `hit` or `miss`.
+    pub outcome: String,
+}
+
 /// Labels of a failed Docker API call.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DockerOpLabels {
@@ -78,6 +92,11 @@ pub struct Metrics {
     download_bytes: Counter,
     /// Requests refused with 429 (rate or capacity limits).
     rate_limited: Counter,
+    /// Session sandboxes removed by the eviction rules, by reason: how the cap and the
+    /// TTLs keep idle containers bounded.
+    sandboxes_removed: Family<ReasonLabels, Counter>,
+    /// Compiled programs served by the sandboxes' compile caches, or compiled.
+    compile_cache: Family<CacheLabels, Counter>,
 }
 
 impl Metrics {
@@ -95,6 +114,8 @@ impl Metrics {
         let upload_bytes = Counter::default();
         let download_bytes = Counter::default();
         let rate_limited = Counter::default();
+        let sandboxes_removed = Family::<ReasonLabels, Counter>::default();
+        let compile_cache = Family::<CacheLabels, Counter>::default();
         registry.register("sessions", "Sessions known", sessions.clone());
         registry.register(
             "containers",
@@ -133,6 +154,16 @@ impl Metrics {
             "Requests refused with 429 (rate or capacity limits)",
             rate_limited.clone(),
         );
+        registry.register(
+            "sandboxes_removed",
+            "Session sandboxes removed by reason (idle, single_use, over_cap)",
+            sandboxes_removed.clone(),
+        );
+        registry.register(
+            "compile_cache",
+            "Compiled programs by compile-cache outcome (hit, miss)",
+            compile_cache.clone(),
+        );
         Metrics {
             registry,
             sessions,
@@ -144,6 +175,8 @@ impl Metrics {
             upload_bytes,
             download_bytes,
             rate_limited,
+            sandboxes_removed,
+            compile_cache,
         }
     }
 
@@ -184,6 +217,25 @@ impl Metrics {
     /// Counts downloaded bytes.
     pub fn downloaded(&self, bytes: u64) {
         self.download_bytes.inc_by(bytes);
+    }
+
+    /// Counts one session sandbox removed by the eviction rules.
+    pub fn sandbox_removed(&self, reason: &str) {
+        self.sandboxes_removed
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts one compiled-language exec by whether its compile was cached.
+    pub fn compile_cache(&self, hit: bool) {
+        let outcome = if hit { "hit" } else { "miss" };
+        self.compile_cache
+            .get_or_create(&CacheLabels {
+                outcome: outcome.to_string(),
+            })
+            .inc();
     }
 
     /// Counts one 429.

@@ -25,6 +25,9 @@ use tokio::io::AsyncWriteExt;
 /// Most files one upload request may carry.
 const MAX_FILES_PER_UPLOAD: usize = 100;
 
+/// Bytes read per chunk of a download.
+const DOWNLOAD_CHUNK: usize = 256 * 1024;
+
 pub fn router() -> Router<AppState> {
     Router::new()
         .route(
@@ -618,8 +621,9 @@ async fn download(
             "files": [{ "id": record.id, "name": record.name, "size": size }],
         }),
     );
-    // Streamed, so a large file is never held in memory.
-    let stream = tokio_util::io::ReaderStream::new(file);
+    // Streamed, so a large file is never held in memory. Each read of a tokio file is a
+    // hop to the blocking pool: the default 4 KiB chunks made 100 MiB cost 25,600 hops.
+    let stream = tokio_util::io::ReaderStream::with_capacity(file, DOWNLOAD_CHUNK);
     let name = base_name(&record.name);
     Ok((
         [

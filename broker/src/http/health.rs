@@ -22,13 +22,13 @@ pub fn protected_router() -> Router<AppState> {
         .route("/metrics", get(metrics))
 }
 
-/// Whether Docker answers and the image is present; languages, sessions, pool. No auth.
+/// Whether Docker answers and the image is present; languages, sessions, live sandboxes, pool. No auth.
 #[utoipa::path(
     get,
     path = "/health",
     tag = "meta",
     responses(
-        (status = 200, description = "`{status: ok, version, docker, image, languages, sessions, pool}`", content_type = "application/json"),
+        (status = 200, description = "`{status: ok, version, docker, image, languages, sessions, sandboxes, pool}`", content_type = "application/json"),
         (status = 503, description = "Degraded: the same body with `status: degraded`", content_type = "application/json"),
     )
 )]
@@ -43,7 +43,15 @@ async fn health(State(state): State<AppState>) -> impl IntoResponse {
         "image": { "name": broker.config.image, "present": image_ok },
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
         "sessions": broker.registry.len(),
-        "pool": { "ready": broker.pool.ready(), "target": broker.pool.target() },
+        "sandboxes": {
+            "live": broker.live_sandboxes(),
+            "max_live": broker.config.max_live_sandboxes,
+        },
+        "pool": {
+            "ready": broker.pool.ready(),
+            "starting": broker.pool.creating(),
+            "target": broker.pool.target(),
+        },
     });
     let status = if healthy {
         StatusCode::OK

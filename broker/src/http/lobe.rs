@@ -307,6 +307,7 @@ mod tests {
             exit_code: Some(0),
             duration_ms: 1,
             limits: vec![],
+            compile_cached: None,
         };
         let md = markdown(&output, "https://x.example/");
         let s = "S".repeat(21);

@@ -27,8 +27,23 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// After a first tool call, how long to wait for more before answering: calls made in
-/// parallel (`asyncio.gather`) arrive within microseconds of each other.
+/// parallel (`asyncio.gather`) arrive within microseconds of each other. A run starts with
+/// this window, and comes back to it whenever a batch had several calls.
 const BATCH_WINDOW: Duration = Duration::from_millis(2);
+
+/// The shortest window: a run whose batches keep holding one call (a sequential loop)
+/// halves its window down to this, so each round trip waits less. A parallel batch cut
+/// short by it is still correct; its other calls come in the next answer.
+const MIN_BATCH_WINDOW: Duration = Duration::from_micros(250);
+
+/// The window after a batch of `calls` calls, from the window it was collected with.
+fn next_window(window: Duration, calls: usize) -> Duration {
+    if calls > 1 {
+        BATCH_WINDOW
+    } else {
+        (window / 2).max(MIN_BATCH_WINDOW)
+    }
+}
 
 /// Remembered used tokens, so a reused one is told apart (409) from an unknown one (404).
 const USED_TOKENS_KEPT: usize = 10_000;
@@ -64,6 +79,8 @@ struct Run {
     task: Mutex<Option<JoinHandle<AppResult<ExecOutput>>>>,
     /// Stops the exec (cancel route, expired token).
     cancel: CancellationToken,
+    /// How long the next batch waits for more calls after its first (see `next_window`).
+    window: Mutex<Duration>,
 }
 
 /// A tool as the client describes it.
@@ -210,6 +227,7 @@ async fn start_run(
         pending: Mutex::new(HashSet::new()),
         task: Mutex::new(Some(task)),
         cancel,
+        window: Mutex::new(BATCH_WINDOW),
     });
     if let Some(id) = request_id {
         state.runs.by_request.insert(id, run.clone());
@@ -299,9 +317,11 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
     let outcome = tokio::select! {
         Some(first) = calls.recv() => {
             let mut batch = vec![first];
-            while let Ok(Some(more)) = tokio::time::timeout(BATCH_WINDOW, calls.recv()).await {
+            let window = *lock(&run.window);
+            while let Ok(Some(more)) = tokio::time::timeout(window, calls.recv()).await {
                 batch.push(more);
             }
+            *lock(&run.window) = next_window(window, batch.len());
             Ok(batch)
         }
         joined = &mut task => Err(joined),
@@ -430,6 +450,17 @@ mod tests {
     use super::*;
     use sandbox_runner::{Limit, RuntimeStatus};
 
+    #[test]
+    fn the_batch_window_shrinks_for_single_calls_and_resets_for_parallel_ones() {
+        let mut w = BATCH_WINDOW;
+        for _ in 0..20 {
+            w = next_window(w, 1);
+        }
+        assert_eq!(w, MIN_BATCH_WINDOW);
+        assert_eq!(next_window(BATCH_WINDOW, 1), BATCH_WINDOW / 2);
+        assert_eq!(next_window(w, 2), BATCH_WINDOW);
+    }
+
     fn output(exit_code: Option<i32>, limits: Vec<Limit>) -> ExecOutput {
         ExecOutput {
             session_id: "s".into(),
@@ -440,6 +471,7 @@ mod tests {
             exit_code,
             duration_ms: 1,
             limits,
+            compile_cached: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //!
 //! Execs of one session run one at a time, in arrival order; sessions run in parallel.
 
+pub mod evict;
 pub mod pool;
 pub mod registry;
 
@@ -46,6 +47,12 @@ pub struct Session {
     index: Mutex<FileIndex>,
     /// Milliseconds since the epoch of the last exec's end, for the idle reaper.
     last_used_ms: AtomicU64,
+    /// Bumped at every use, so that a removal decided on a snapshot can tell exactly
+    /// whether the session was used since (timestamps may tie within a millisecond).
+    uses: AtomicU64,
+    /// Execs run since the broker loaded the session: a session used once is likely
+    /// never used again, and its container goes sooner (see `evict`).
+    execs: AtomicU64,
 }
 
 impl Session {
@@ -65,6 +72,8 @@ impl Session {
             sandbox: Mutex::new(None),
             index: Mutex::new(index),
             last_used_ms: AtomicU64::new(last_used),
+            uses: AtomicU64::new(0),
+            execs: AtomicU64::new(0),
         }
     }
 
@@ -116,6 +125,23 @@ impl Session {
     /// Records that the session was just used.
     pub fn touch(&self) {
         self.last_used_ms.store(now_ms(), Ordering::Relaxed);
+        self.uses.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Records that an exec ran to its end.
+    pub fn exec_done(&self) {
+        self.execs.fetch_add(1, Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Execs run since the session was loaded.
+    pub fn exec_count(&self) -> u64 {
+        self.execs.load(Ordering::Relaxed)
+    }
+
+    /// Whether an exec holds or waits for the session's turn.
+    pub fn is_busy(&self) -> bool {
+        self.queue.available_permits() == 0
     }
 
     /// Milliseconds since the epoch of the last use.
@@ -128,15 +154,20 @@ impl Session {
         now_ms.saturating_sub(self.last_used_ms()) >= ttl_ms
     }
 
-    /// The turn, for the idle reaper, when the session has been idle for `ttl_ms`. Idleness
-    /// is looked at again once the turn is held: an exec that took the turn between the
-    /// first look and the take marked the session used, so its sandbox stays.
-    pub fn claim_if_idle(&self, ttl_ms: u64) -> Option<OwnedSemaphorePermit> {
-        if !self.is_idle(ttl_ms, now_ms()) {
+    /// Uses so far (see [`Session::claim_unused_since`]).
+    pub fn uses(&self) -> u64 {
+        self.uses.load(Ordering::SeqCst)
+    }
+
+    /// The turn, for removing the session's sandbox, when the session was not used since a
+    /// snapshot that saw `uses` uses. The uses are looked at again once the turn is held:
+    /// an exec that took the turn in between marked the session used, so its sandbox stays.
+    pub fn claim_unused_since(&self, uses: u64) -> Option<OwnedSemaphorePermit> {
+        if self.uses() != uses {
             return None;
         }
         let turn = self.try_acquire()?;
-        self.is_idle(ttl_ms, now_ms()).then_some(turn)
+        (self.uses() == uses).then_some(turn)
     }
 }
 
@@ -165,22 +196,23 @@ mod tests {
     fn an_idle_session_can_be_claimed() {
         let session = idle_session();
         assert!(session.is_idle(1_000, now_ms()));
-        assert!(session.claim_if_idle(1_000).is_some());
+        assert!(session.claim_unused_since(session.uses()).is_some());
     }
 
     #[tokio::test]
     async fn an_exec_holding_the_turn_keeps_its_session() {
         let session = idle_session();
+        let seen = session.uses();
         let exec_turn = session.acquire().await;
         // The reaper looked before the exec marked the session used: the turn is taken.
-        assert!(session.claim_if_idle(1_000).is_none());
+        assert!(session.claim_unused_since(seen).is_none());
         session.touch();
         drop(exec_turn);
-        // After the exec: used a moment ago, not idle.
-        assert!(session.claim_if_idle(1_000).is_none());
+        // After the exec: used since the look, so it stays.
+        assert!(session.claim_unused_since(seen).is_none());
         assert!(
-            session.claim_if_idle(0).is_some(),
-            "a zero TTL reaps at once"
+            session.claim_unused_since(session.uses()).is_some(),
+            "a new look may remove it"
         );
     }
 
@@ -203,12 +235,13 @@ mod tests {
                     session.touch();
                 })
             };
+            let seen = session.uses();
             let reaper = {
                 let (session, running) = (session.clone(), running.clone());
                 tokio::spawn(async move {
                     let mut claims = 0;
                     for _ in 0..50 {
-                        if let Some(_turn) = session.claim_if_idle(60_000) {
+                        if let Some(_turn) = session.claim_unused_since(seen) {
                             assert!(!running.load(Ordering::SeqCst), "reaped during an exec");
                             claims += 1;
                         }
@@ -221,8 +254,8 @@ mod tests {
             let claims = reaper.await.unwrap();
             assert!(claims <= 50);
             assert!(
-                session.claim_if_idle(60_000).is_none(),
-                "used just now: not idle"
+                session.claim_unused_since(seen).is_none(),
+                "used since the look: kept"
             );
         }
     }

@@ -8,13 +8,15 @@ use crate::ids::new_id;
 use crate::sandbox::{DockerBackend, Sandbox};
 use crate::workspace::Workspace;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
-/// How many containers the pool starts at once, so a burst does not stall the engine.
-const REFILL_CONCURRENCY: usize = 2;
+/// How long after a take the refill waits before starting a container: starting one costs
+/// the engine and the new kernel over a second of CPU, which on a small host would slow
+/// the very exec the taken sandbox was handed out for.
+const REFILL_DELAY: Duration = Duration::from_millis(250);
 
 /// A started sandbox waiting for its session.
 pub struct Pooled {
@@ -32,20 +34,35 @@ pub struct Pool {
     ready: Mutex<VecDeque<Pooled>>,
     /// How many the pool keeps ready.
     target: usize,
+    /// How many it starts at once, so a burst does not stall the engine.
+    concurrency: usize,
     /// Creations under way, so the refiller does not overshoot.
     creating: AtomicUsize,
     /// Wakes the refiller after a take.
     wake: Notify,
+    /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
+    last_take: Mutex<Option<tokio::time::Instant>>,
+    /// Set when draining: a creation that finishes later removes its sandbox instead of
+    /// adding it, so nothing outlives the broker.
+    closed: AtomicBool,
 }
 
 impl Pool {
-    pub fn new(target: usize) -> Pool {
+    pub fn new(target: usize, concurrency: usize) -> Pool {
         Pool {
             ready: Mutex::new(VecDeque::new()),
             target,
+            concurrency: concurrency.max(1),
             creating: AtomicUsize::new(0),
             wake: Notify::new(),
+            last_take: Mutex::new(None),
+            closed: AtomicBool::new(false),
         }
+    }
+
+    /// How many sandboxes are being started now.
+    pub fn creating(&self) -> usize {
+        self.creating.load(Ordering::SeqCst)
     }
 
     /// How many sandboxes are ready now.
@@ -69,6 +86,8 @@ impl Pool {
             }
             // A dead one is dropped; the refiller's sweep removes its container.
         };
+        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(tokio::time::Instant::now());
         self.wake.notify_one();
         taken
     }
@@ -84,8 +103,15 @@ impl Pool {
             return;
         }
         loop {
+            let last_take = *self.last_take.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(taken) = last_take {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
+                    _ = shutdown.wait_for(|s| *s) => break,
+                }
+            }
             while self.ready() + self.creating.load(Ordering::SeqCst) < self.target
-                && self.creating.load(Ordering::SeqCst) < REFILL_CONCURRENCY
+                && self.creating.load(Ordering::SeqCst) < self.concurrency
             {
                 self.creating.fetch_add(1, Ordering::SeqCst);
                 let pool = self.clone();
@@ -93,7 +119,20 @@ impl Pool {
                 let config = config.clone();
                 tokio::spawn(async move {
                     match create_pooled(&docker, &config).await {
-                        Ok(pooled) => pool.lock().push_back(pooled),
+                        Ok(pooled) => {
+                            let late = {
+                                let mut ready = pool.lock();
+                                if pool.closed.load(Ordering::SeqCst) {
+                                    Some(pooled)
+                                } else {
+                                    ready.push_back(pooled);
+                                    None
+                                }
+                            };
+                            if let Some(pooled) = late {
+                                remove(&docker, pooled).await;
+                            }
+                        }
                         Err(err) => {
                             tracing::warn!(error = ?err, "cannot start a pooled sandbox");
                             // Back off so a broken engine or image is not hammered.
@@ -121,19 +160,34 @@ impl Pool {
         self.drain(&docker).await;
     }
 
-    /// Removes every pooled sandbox and its workspace.
+    /// Removes every pooled sandbox and its workspace, and those still being started
+    /// once they are.
     pub async fn drain(&self, docker: &DockerBackend) {
-        let drained: Vec<Pooled> = self.lock().drain(..).collect();
+        let drained: Vec<Pooled> = {
+            let mut ready = self.lock();
+            self.closed.store(true, Ordering::SeqCst);
+            ready.drain(..).collect()
+        };
         for pooled in drained {
-            pooled.sandbox.close("the pool is draining");
-            docker.remove(&pooled.sandbox.container_id).await;
-            let _ = std::fs::remove_dir_all(pooled.workspace.root());
+            remove(docker, pooled).await;
+        }
+        // Starts under way remove their own sandbox; wait for them (each is bounded by the
+        // runner's hello timeout) so a shut-down broker leaves nothing behind.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while self.creating() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+async fn remove(docker: &DockerBackend, pooled: Pooled) {
+    pooled.sandbox.close("the pool is draining");
+    docker.remove(&pooled.sandbox.container_id).await;
+    let _ = std::fs::remove_dir_all(pooled.workspace.root());
 }
 
 async fn create_pooled(docker: &DockerBackend, config: &Config) -> anyhow::Result<Pooled> {

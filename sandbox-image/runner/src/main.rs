@@ -25,6 +25,7 @@
 
 mod capture;
 mod client;
+mod compile_cache;
 mod frame;
 mod lang;
 mod quota;

@@ -268,6 +268,10 @@ pub struct ExecResponse {
     /// The exec was stopped by a [`CoordinatorMessage::Cancel`].
     #[serde(default)]
     pub cancelled: bool,
+    /// For compiled languages: `true` when the sandbox's compile cache had the program
+    /// and the compiler did not run, `false` when it compiled; `None` otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile_cached: Option<bool>,
 }
 
 /// A request the runner could not carry out.

@@ -10,6 +10,7 @@
 //! poll loop; tool results from the broker come through [`Control`] like cancels do.
 
 use crate::capture::Capture;
+use crate::compile_cache::{self, CompileCache};
 use crate::frame::Channel;
 use crate::quota::{self, Quota, Usage};
 use crate::reaper::{Exit, Tracker};
@@ -312,6 +313,8 @@ struct Ctl {
     stream: bool,
     /// The tool socket, when the exec has tools (and it could be set up).
     tools: Option<ToolBridge>,
+    /// Whether the compile cache served the program (`None`: nothing to compile).
+    compile_cached: Option<bool>,
 }
 
 /// The persistent Python kernel (see the README's kernel protocol).
@@ -450,6 +453,8 @@ pub struct Worker {
     buf: Vec<u8>,
     /// Makes per-exec directory names unique.
     seq: u64,
+    /// Programs compiled earlier in this sandbox, so a rerun skips the compiler.
+    compile_cache: CompileCache,
 }
 
 impl Worker {
@@ -463,7 +468,6 @@ impl Worker {
     ) -> io::Result<Self> {
         let devnull = std::fs::File::open("/dev/null")?.into();
         Ok(Worker {
-            cfg,
             chan,
             tracker,
             control,
@@ -472,6 +476,8 @@ impl Worker {
             kernel: None,
             buf: vec![0; READ_CHUNK],
             seq: 0,
+            compile_cache: CompileCache::new(&cfg.tmp),
+            cfg,
         })
     }
 
@@ -614,6 +620,7 @@ impl Worker {
             disk_full: false,
             stream: req.stream,
             tools: None,
+            compile_cached: None,
         };
         if !req.tools.is_empty() {
             match self.open_tools(job, req) {
@@ -749,6 +756,7 @@ impl Worker {
             runtime_status,
             duration_ms: start.elapsed().as_millis().try_into().unwrap_or(u64::MAX),
             cancelled: ctl.stop == Some(Stop::Cancel),
+            compile_cached: ctl.compile_cached,
         })
     }
 
@@ -952,7 +960,17 @@ impl Worker {
             wrapped.as_deref().unwrap_or(&req.code),
         )?;
         let cfg = self.cfg.clone(); // the base environment, kept while self is borrowed mutably
-        if let Some(compile) = &plan.compile {
+        let cache_key = (plan.compile.as_ref())
+            .filter(|_| compile_cache::caches(req.lang))
+            .map(|compile| compile_cache::key(req.lang, &plan.source, compile, &req.code));
+        if let Some(key) = &cache_key {
+            ctl.compile_cached = Some(self.compile_cache.restore(key, dir));
+        }
+        if let Some(compile) = plan
+            .compile
+            .as_ref()
+            .filter(|_| ctl.compile_cached != Some(true))
+        {
             // The compiler's own output is shown only when compiling fails.
             let mut cc = Capture::new(req.max_output_bytes, false);
             let exit = self.run_child(ctl, &mut cc, compile, dir, &cfg.env);
@@ -969,6 +987,10 @@ impl Worker {
                     });
                 }
                 return Ok(exit);
+            }
+            // Stored before the program runs, which could change what is in `dir`.
+            if let Some(key) = &cache_key {
+                self.compile_cache.store(key, dir, &plan.source);
             }
         }
         let mut argv = plan.run.clone();

@@ -254,6 +254,74 @@ fn c_compile_error_is_reported_and_nothing_runs() {
 }
 
 #[test]
+fn a_rerun_program_skips_the_compiler() {
+    // A gcc on PATH that notes each call, so a cache hit is seen as a compiler not run.
+    let bin = std::env::temp_dir().join(format!("runner-test-cc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&bin);
+    std::fs::create_dir_all(&bin).unwrap();
+    let calls = bin.join("calls");
+    let gcc = bin.join("gcc");
+    std::fs::write(
+        &gcc,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> {}\nexec /usr/bin/gcc \"$@\"\n",
+            calls.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&gcc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut r = Runner::start_with(&[("PATH", &path)]);
+    let gcc_calls = || {
+        std::fs::read_to_string(&calls)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let code = "#include <stdio.h>\nint main(int c, char **v) { printf(\"%d %s\\n\", c, c > 1 ? v[1] : \"-\"); return 0; }";
+
+    let first = r.exec(1, req(Language::C, code));
+    assert_eq!(first.stdout, "1 -\n", "{}", first.stderr);
+    assert_eq!(first.compile_cached, Some(false));
+    assert_eq!(gcc_calls(), 1);
+
+    // The same program again, with arguments (they do not change the binary): a hit.
+    let mut again = req(Language::C, code);
+    again.args = vec!["x".into()];
+    let second = r.exec(2, again);
+    assert_eq!(second.stdout, "2 x\n", "{}", second.stderr);
+    assert_eq!(second.compile_cached, Some(true));
+    assert_eq!(gcc_calls(), 1, "the compiler ran for a cached program");
+    let third = r.exec(3, req(Language::C, code));
+    assert_eq!((third.stdout.as_str(), third.exit_code), ("1 -\n", Some(0)));
+    assert_eq!(third.compile_cached, Some(true));
+
+    // Another program misses; a failed compile is never cached.
+    let other = r.exec(4, req(Language::C, &code.replace("%d %s", "%d:%s")));
+    assert_eq!(
+        (other.stdout.as_str(), other.compile_cached),
+        ("1:-\n", Some(false))
+    );
+    assert_eq!(gcc_calls(), 2);
+    for job in [5, 6] {
+        let broken = r.exec(job, req(Language::C, "int main( {"));
+        assert_ne!(broken.exit_code, Some(0));
+        assert_eq!(broken.compile_cached, Some(false));
+    }
+    assert_eq!(gcc_calls(), 4);
+    // Nothing of the cache shows in the workspace.
+    assert_eq!(std::fs::read_dir(r.workdir()).unwrap().count(), 0);
+    // Interpreted languages do not involve it.
+    assert_eq!(r.exec(7, req(Language::Bash, "true")).compile_cached, None);
+    drop(r);
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+#[test]
 fn java_is_named_after_its_public_class() {
     if Command::new("javac").arg("-version").output().is_err() {
         println!("note: javac not installed, skipping");

@@ -1,0 +1,188 @@
+//! Which session containers to remove, and why: the idle TTL, the shorter TTL of sessions
+//! used only once, and the cap on live session containers (least recently used first).
+//!
+//! Clients such as LibreChat's `execute_code` send no session id, so most calls start a
+//! new session that is never used again; without these rules each leaves an idle
+//! container behind for the whole idle TTL. The rules are a pure function of a snapshot,
+//! so they are tested without containers or clocks.
+
+/// Why a session's container is removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Idle past the idle TTL.
+    Idle,
+    /// Used at most once and idle past the single-use TTL.
+    SingleUse,
+    /// The least recently used, removed to stay under the cap.
+    OverCap,
+}
+
+impl Reason {
+    /// The label value in metrics and the audit log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Idle => "idle",
+            Reason::SingleUse => "single_use",
+            Reason::OverCap => "over_cap",
+        }
+    }
+}
+
+/// The rules, from the configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// A container idle this long goes (ms).
+    pub idle_ttl_ms: u64,
+    /// A container whose session ran at most one exec goes after this idle time (ms);
+    /// 0 turns the rule off.
+    pub single_use_ttl_ms: u64,
+    /// Most session containers alive at once; 0: no cap.
+    pub max_live: usize,
+}
+
+/// What the rules look at of one session that holds a container.
+#[derive(Debug, Clone)]
+pub struct Live {
+    /// Milliseconds since the epoch of its last use.
+    pub last_used_ms: u64,
+    /// Execs it ran.
+    pub execs: u64,
+    /// Whether an exec is running or queued: a busy container is never removed.
+    pub busy: bool,
+    /// Its uses when the snapshot was taken: a removal is dropped if it was used since.
+    pub uses: u64,
+}
+
+/// The containers to remove, as indexes into `live` with the reason, so that after
+/// `room_for` more containers start, no more than the cap are alive. TTL victims come
+/// first, then the least recently used idle ones. Busy containers are kept even over
+/// the cap (the cap is then reached again as they finish).
+pub fn victims(
+    policy: &Policy,
+    live: &[Live],
+    now_ms: u64,
+    room_for: usize,
+) -> Vec<(usize, Reason)> {
+    let mut out = Vec::new();
+    let mut keep = Vec::new();
+    for (i, s) in live.iter().enumerate() {
+        let idle_for = now_ms.saturating_sub(s.last_used_ms);
+        let reason = if s.busy {
+            None
+        } else if idle_for >= policy.idle_ttl_ms {
+            Some(Reason::Idle)
+        } else if policy.single_use_ttl_ms > 0
+            && s.execs <= 1
+            && idle_for >= policy.single_use_ttl_ms
+        {
+            Some(Reason::SingleUse)
+        } else {
+            None
+        };
+        match reason {
+            Some(r) => out.push((i, r)),
+            None => keep.push(i),
+        }
+    }
+    if policy.max_live > 0 {
+        let wanted = keep.len() + room_for;
+        let excess = wanted.saturating_sub(policy.max_live);
+        let mut idle: Vec<usize> = keep.into_iter().filter(|&i| !live[i].busy).collect();
+        idle.sort_by_key(|&i| (live[i].last_used_ms, i));
+        out.extend(idle.into_iter().take(excess).map(|i| (i, Reason::OverCap)));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1000;
+
+    fn live(last_used_s: u64, execs: u64, busy: bool) -> Live {
+        Live {
+            last_used_ms: last_used_s * SEC,
+            execs,
+            busy,
+            uses: 0,
+        }
+    }
+
+    fn policy(max_live: usize) -> Policy {
+        Policy {
+            idle_ttl_ms: 600 * SEC,
+            single_use_ttl_ms: 30 * SEC,
+            max_live,
+        }
+    }
+
+    #[test]
+    fn ttls_remove_idle_and_single_use_containers() {
+        let now = 1000 * SEC;
+        let sessions = [
+            live(1000, 1, false), // just used once
+            live(960, 1, false),  // used once, 40 s ago: single-use TTL
+            live(960, 5, false),  // used often, 40 s ago: stays
+            live(300, 9, false),  // idle 700 s: idle TTL
+            live(100, 0, true),   // busy: never removed
+            live(971, 1, false),  // used once, 29 s ago: stays
+        ];
+        assert_eq!(
+            victims(&policy(0), &sessions, now, 0),
+            vec![(1, Reason::SingleUse), (3, Reason::Idle)]
+        );
+        // Turned off, only the idle TTL applies.
+        let mut p = policy(0);
+        p.single_use_ttl_ms = 0;
+        assert_eq!(victims(&p, &sessions, now, 0), vec![(3, Reason::Idle)]);
+    }
+
+    #[test]
+    fn the_cap_evicts_least_recently_used_idle_containers() {
+        let now = 100 * SEC;
+        let sessions = [
+            live(90, 3, false),
+            live(80, 3, true), // the oldest, but busy
+            live(85, 3, false),
+            live(95, 3, false),
+        ];
+        // Four alive, cap four: room for one more means one goes, the oldest idle one.
+        assert_eq!(
+            victims(&policy(4), &sessions, now, 1),
+            vec![(2, Reason::OverCap)]
+        );
+        assert_eq!(victims(&policy(4), &sessions, now, 0), vec![]);
+        // Cap two, room for one: three go, never the busy one.
+        assert_eq!(
+            victims(&policy(2), &sessions, now, 1),
+            vec![
+                (2, Reason::OverCap),
+                (0, Reason::OverCap),
+                (3, Reason::OverCap)
+            ]
+        );
+        // All busy: nothing can go.
+        let busy = [live(1, 1, true), live(2, 1, true)];
+        assert_eq!(victims(&policy(1), &busy, now, 1), vec![]);
+    }
+
+    #[test]
+    fn ttl_victims_count_towards_the_cap() {
+        let now = 100 * SEC;
+        let sessions = [
+            live(10, 1, false), // single-use, expired
+            live(90, 2, false),
+            live(95, 2, false),
+        ];
+        // After the single-use one goes, two remain: room for one more under a cap of 3.
+        assert_eq!(
+            victims(&policy(3), &sessions, now, 1),
+            vec![(0, Reason::SingleUse)]
+        );
+        assert_eq!(
+            victims(&policy(2), &sessions, now, 1),
+            vec![(0, Reason::SingleUse), (1, Reason::OverCap)]
+        );
+    }
+}
