@@ -149,11 +149,6 @@ impl Session {
         self.last_used_ms.load(Ordering::Relaxed)
     }
 
-    /// Whether the session has not been used for `ttl_ms` at `now_ms`.
-    pub fn is_idle(&self, ttl_ms: u64, now_ms: u64) -> bool {
-        now_ms.saturating_sub(self.last_used_ms()) >= ttl_ms
-    }
-
     /// Uses so far (see [`Session::claim_unused_since`]).
     pub fn uses(&self) -> u64 {
         self.uses.load(Ordering::SeqCst)
@@ -195,7 +190,6 @@ mod tests {
     #[test]
     fn an_idle_session_can_be_claimed() {
         let session = idle_session();
-        assert!(session.is_idle(1_000, now_ms()));
         assert!(session.claim_unused_since(session.uses()).is_some());
     }
 
