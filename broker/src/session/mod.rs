@@ -214,10 +214,12 @@ mod tests {
     async fn reaper_and_exec_racing_never_overlap() {
         // An exec takes the turn and marks the session used; the reaper claims in a loop.
         // Whoever wins, the reaper never holds the turn while an exec runs, and never
-        // claims a session an exec used less than the TTL ago.
+        // claims a session an exec used after its snapshot.
         for _ in 0..200 {
             let session = Arc::new(idle_session());
             let running = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            // The reaper's snapshot, taken before the exec comes.
+            let seen = session.uses();
             let exec = {
                 let (session, running) = (session.clone(), running.clone());
                 tokio::spawn(async move {
@@ -229,7 +231,6 @@ mod tests {
                     session.touch();
                 })
             };
-            let seen = session.uses();
             let reaper = {
                 let (session, running) = (session.clone(), running.clone());
                 tokio::spawn(async move {
