@@ -1356,10 +1356,16 @@ async fn idle_reaping_never_kills_a_starting_exec() {
 // Auth
 // ---------------------------------------------------------------------------------------
 
-/// Routes that are public on purpose: the health check, and two static documents that
-/// carry no session data (the OpenAPI description, and the LobeChat manifest, which
-/// LobeChat fetches without credentials).
-const PUBLIC: &[&str] = &["/health", "/openapi.json", "/lobe/manifest.json"];
+/// Routes that are public on purpose: the health check, and static documents that carry no
+/// session data (the OpenAPI description, the LobeChat manifest, which LobeChat fetches
+/// without credentials, and the playground's page and assets, which ask for the key).
+const PUBLIC: &[&str] = &[
+    "/health",
+    "/openapi.json",
+    "/lobe/manifest.json",
+    "/",
+    "/playground/app.js",
+];
 
 /// Every route of the OpenAPI document, method and path with ids filled in.
 async fn documented_routes(broker: &TestBroker, s: &str, f: &str) -> Vec<(String, String)> {
@@ -1376,7 +1382,8 @@ async fn documented_routes(broker: &TestBroker, s: &str, f: &str) -> Vec<(String
                 let filled = path
                     .replace("{session_id}", s)
                     .replace("{file_id}", f)
-                    .replace("{id}", f);
+                    .replace("{id}", f)
+                    .replace("{asset}", "app.js");
                 assert!(!filled.contains('{'), "unfilled parameter in {path}");
                 routes.push((method.to_string(), filled));
             }
@@ -1452,7 +1459,11 @@ async fn every_route_but_the_public_ones_needs_credentials() {
     let mut checked = 0;
     for (method, path) in &routes {
         for prefix in ["", "/v1"] {
-            let full = format!("{prefix}{path}");
+            // The root route is `/v1` under the prefix, not `/v1/`.
+            let full = match (prefix, path.as_str()) {
+                ("/v1", "/") => prefix.to_string(),
+                _ => format!("{prefix}{path}"),
+            };
             let public = PUBLIC.contains(&path.as_str());
             for credentials in &bad {
                 let status = status_of(&broker, method, &full, credentials.clone()).await;
