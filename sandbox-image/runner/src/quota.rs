@@ -10,8 +10,9 @@
 //! ends, to report growth that happened between two checks.
 //!
 //! Between execs only the Python kernel can still run (the sweep killed the rest), and its
-//! threads may go on writing: while it is alive the thread keeps measuring, every
-//! [`IDLE_INTERVAL`] or twenty times the last walk's duration, and the worker kills the kernel once the workspace grew past
+//! threads may go on writing: while it is alive the thread keeps measuring, as often as
+//! during an exec while the workspace grows, else every [`IDLE_INTERVAL`] or twenty times
+//! the last walk's duration, and the worker kills the kernel once the workspace grew past
 //! the quota. An exec over the quota also kills the kernel at once rather than
 //! interrupting it, since an interrupt reaches only its main thread.
 //!

@@ -1407,7 +1407,7 @@ fn seconds(ms: u64) -> String {
 /// Measures the workspace while the kernel idles, less often than during an exec, until
 /// the next exec starts; kills the kernel (through the worker) if it grew past the quota.
 fn watch_idle(quota: &Quota, control: &Control, base: Usage) {
-    let mut pause = quota::IDLE_INTERVAL;
+    let mut pause = quota::MIN_INTERVAL;
     loop {
         std::thread::sleep(pause);
         if !control.idle_watching() {
@@ -1418,8 +1418,13 @@ fn watch_idle(quota: &Quota, control: &Control, base: Usage) {
             control.idle_over_quota();
             return;
         }
-        // Idle kernels are the common case: at most a twentieth of a CPU on watching.
-        pause = (took * 20).max(quota::IDLE_INTERVAL);
+        // Idle kernels are the common case: at most a twentieth of a CPU on watching, but
+        // as often as during an exec while the workspace grows (threads still writing).
+        pause = if now.bytes > base.bytes || now.files > base.files {
+            quota::interval(took)
+        } else {
+            (took * 20).max(quota::IDLE_INTERVAL)
+        };
     }
 }
 
