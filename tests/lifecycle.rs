@@ -171,3 +171,117 @@ async fn new_sessions_come_from_the_pool() {
     assert_ne!(session(&other), session(&resp));
     assert_eq!(stdout(&other), "");
 }
+
+/// An upload makes a session without a sandbox; its first exec is handed a pooled one
+/// (the session's files move into the pooled workspace) instead of starting a container,
+/// and a restarted broker still finds that container for the session.
+#[tokio::test]
+async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() {
+    let first = TestBroker::start_with("pool-hand", |c| {
+        c.pool_size = 1;
+        c.pool_max = 1;
+    })
+    .await;
+    let pooled = wait_for_pooled(&first).await;
+    let form = reqwest::multipart::Form::new().part(
+        "file",
+        reqwest::multipart::Part::bytes(b"4,5\n".to_vec()).file_name("in.csv"),
+    );
+    let up: serde_json::Value = reqwest::Client::new()
+        .post(first.url("/upload"))
+        .multipart(form)
+        .send()
+        .await
+        .expect("upload")
+        .json()
+        .await
+        .expect("json");
+    let s = up["session_id"].as_str().expect("session").to_string();
+    let file_id = up["files"][0]["id"].as_str().expect("id").to_string();
+    let (status, resp) = first
+        .exec(serde_json::json!({
+            "lang": "py",
+            "session_id": s,
+            "code": "x = sum(map(int, open('in.csv').read().split(',')))\nprint(x)\n_ = open('out.txt','w').write(str(x))",
+            "files": [{"id": file_id, "session_id": s, "name": "in.csv"}],
+        }))
+        .await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(stdout(&resp), "9\n", "{resp}");
+    assert_eq!(session(&resp), s);
+    // The exec ran in the container that was pooled, which now sees the session's files.
+    assert!(first.containers().contains(&pooled));
+    let seen = std::process::Command::new("docker")
+        .args([
+            "exec",
+            &pooled,
+            "cat",
+            "/mnt/data/in.csv",
+            "/mnt/data/out.txt",
+        ])
+        .output()
+        .expect("docker exec");
+    assert_eq!(String::from_utf8_lossy(&seen.stdout), "4,5\n9");
+    let out_id = resp["files"][0]["id"].as_str().expect("out id").to_string();
+    assert_eq!(resp["files"][0]["name"], "out.txt", "{resp}");
+
+    let instance = first.instance.clone();
+    let data = first.data.clone();
+    let tmp = first.stop().await;
+    let mut config = Config::for_tests(data, &instance);
+    config.pool_size = 0;
+    let second = TestBroker::serve(config).await;
+    let next = second.run("py", "print(x * 2)", Some(&s)).await;
+    assert_eq!(stdout(&next), "18\n", "{next}");
+    assert_eq!(next["runtime_status"], "reused");
+    assert_eq!(second.containers(), vec![pooled]);
+    let dl = second.get(&format!("/download/{s}/{out_id}")).await;
+    assert_eq!(dl.text().await.unwrap_or_default(), "9");
+    drop(second);
+    drop(tmp);
+}
+
+/// Waits for the pool to hold one sandbox; returns its container id.
+async fn wait_for_pooled(broker: &TestBroker) -> String {
+    for _ in 0..200 {
+        let health: serde_json::Value = broker.get("/health").await.json().await.expect("json");
+        if health["pool"]["ready"] == 1 {
+            let ids = broker.containers();
+            assert_eq!(ids.len(), 1, "{ids:?}");
+            return ids[0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the pool did not fill");
+}
+
+/// A burst of new sessions grows the pool to the burst's size (up to its maximum), so the
+/// next burst is served from it.
+#[tokio::test]
+async fn the_pool_grows_after_a_burst_of_new_sessions() {
+    let broker = TestBroker::start_with("pool-grow", |c| {
+        c.pool_size = 1;
+        c.pool_max = 3;
+    })
+    .await;
+    wait_for_pooled(&broker).await;
+    let codes: Vec<String> = (0..4).map(|i| format!("print({i})")).collect();
+    let burst = codes.iter().map(|code| broker.run("py", code, None));
+    for (i, resp) in futures::future::join_all(burst).await.iter().enumerate() {
+        assert_eq!(stdout(resp), format!("{i}\n"), "{resp}");
+    }
+    let mut health = serde_json::Value::Null;
+    for _ in 0..300 {
+        health = broker.get("/health").await.json().await.expect("json");
+        if health["pool"]["ready"] == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(health["pool"]["target"], 3, "{health}");
+    assert_eq!(health["pool"]["ready"], 3, "{health}");
+    let burst = (0..3).map(|_| broker.run("py", "print('again')", None));
+    for resp in futures::future::join_all(burst).await {
+        assert_eq!(stdout(&resp), "again\n", "{resp}");
+    }
+}

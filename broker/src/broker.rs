@@ -14,6 +14,7 @@ use crate::workspace::{now_ms, FileRecord, HarvestLimits, Workspace};
 use sandbox_runner::{
     ExecRequest, Language, Limit, RuntimeStatus, ToolCall, ToolResult, ToolSpec, WorkerMessage,
 };
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -22,6 +23,17 @@ use tokio_util::sync::CancellationToken;
 /// How much longer than the exec's own limit the broker waits for the runner before it
 /// declares the sandbox broken.
 const EXEC_GRACE: Duration = Duration::from_secs(15);
+
+/// Where a session records the pooled container it was handed (see
+/// [`Broker::sandbox_from_pool`]).
+const POOLED_SANDBOX_FILE: &str = "pooled-sandbox.json";
+
+/// The container a session was handed from the pool.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PooledSandbox {
+    /// Docker's id of the container, whose session label is the pooled id.
+    container_id: String,
+}
 
 /// The broker: configuration, the engine, the sessions and the pool.
 pub struct Broker {
@@ -123,7 +135,11 @@ impl Broker {
     pub fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
-            pool: Arc::new(Pool::new(config.pool_size, config.pool_refill_concurrency)),
+            pool: Arc::new(Pool::new(
+                config.pool_size,
+                config.pool_max,
+                config.pool_refill_concurrency,
+            )),
             limits: Limits::from_config(&config),
             jwt: JwtKeys::default(),
             metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
@@ -236,7 +252,12 @@ impl Broker {
         let _slot = for_exec
             .then(|| self.limits.container_slot(&self.registry, user))
             .transpose()?;
-        let pooled = if for_exec { self.pool.take() } else { None };
+        // A miss is counted as demand once, when the first exec takes from the pool again.
+        let pooled = if for_exec {
+            self.pool.take_if_ready()
+        } else {
+            None
+        };
         let (id, workspace) = match &pooled {
             Some(p) => (p.session_id.clone(), p.workspace.clone()),
             None => {
@@ -452,17 +473,58 @@ impl Broker {
                 .create(self.config.sandbox_uid)
                 .map_err(|e| AppError::internal(format!("cannot recreate workspace: {e}")))?;
         }
-        let sandbox = self
-            .docker
-            .create(session.id(), &files_dir, false)
-            .await
-            .map_err(|e| {
-                tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
-                AppError::Unavailable("cannot start a sandbox right now; try again".into())
-            })?;
+        if let Some(sandbox) = self.sandbox_from_pool(session).await {
+            return Ok(sandbox);
+        }
+        let cold = self.pool.cold_start();
+        let created = self.docker.create(session.id(), &files_dir, false).await;
+        drop(cold);
+        let sandbox = created.map_err(|e| {
+            tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
+            AppError::Unavailable("cannot start a sandbox right now; try again".into())
+        })?;
         let sandbox = Arc::new(sandbox);
         session.set_sandbox(Some(sandbox.clone()));
         Ok(sandbox)
+    }
+
+    /// A pooled sandbox for a session that has files but no live sandbox (made by an
+    /// upload, or whose container went idle): the pooled workspace's mounted directory
+    /// takes the place of the session's, with the session's files moved into it. `None`
+    /// when the pool is empty or the move fails (the caller then starts a container).
+    async fn sandbox_from_pool(&self, session: &Arc<Session>) -> Option<Arc<Sandbox>> {
+        let pooled = self.pool.take()?;
+        let ours = session.workspace.clone();
+        let theirs = pooled.workspace.clone();
+        let moved = tokio::task::spawn_blocking(move || ours.take_files_dir_of(&theirs)).await;
+        match moved {
+            Ok(Ok(())) => {}
+            failed => {
+                tracing::warn!(session = session.id(), result = ?failed, "cannot hand a pooled sandbox to a session");
+                pooled.sandbox.close("not handed out");
+                let docker = self.docker.clone();
+                let root = pooled.workspace.root().to_path_buf();
+                tokio::spawn(async move {
+                    docker.remove(&pooled.sandbox.container_id).await;
+                    let _ = std::fs::remove_dir_all(root);
+                });
+                return None;
+            }
+        }
+        // The container's session label names the pooled id; this record lets a restarted
+        // broker re-attach the container to this session.
+        let record = PooledSandbox {
+            container_id: pooled.sandbox.container_id.clone(),
+        };
+        if let Err(err) = session.workspace.save_meta(POOLED_SANDBOX_FILE, &record) {
+            tracing::warn!(session = session.id(), error = %err, "cannot record the pooled sandbox");
+        }
+        self.audit.record(
+            "sandbox_from_pool",
+            serde_json::json!({"session": session.id(), "container": short(&record.container_id)}),
+        );
+        session.set_sandbox(Some(pooled.sandbox.clone()));
+        Some(pooled.sandbox)
     }
 
     /// Drops a broken sandbox and removes its container.
@@ -533,13 +595,24 @@ impl Broker {
     /// rest (stopped ones, pool leftovers, sessions that no longer exist).
     pub async fn reconcile(&self) -> anyhow::Result<()> {
         let loaded = self.registry.load_all()?;
+        // Pooled containers handed to an existing session carry the pooled id as label.
+        let handed: HashMap<String, Arc<Session>> = self
+            .registry
+            .all()
+            .into_iter()
+            .filter_map(|s| {
+                let record: PooledSandbox = s.workspace.load_meta(POOLED_SANDBOX_FILE).ok()?;
+                Some((record.container_id, s))
+            })
+            .collect();
         let mut adopted = 0;
         let mut removed = 0;
         for container in self.docker.list_own().await? {
             let session = container
                 .session
                 .as_deref()
-                .and_then(|id| self.registry.get(id));
+                .and_then(|id| self.registry.get(id))
+                .or_else(|| handed.get(&container.id).cloned());
             match session {
                 Some(session) if container.running && session.sandbox().is_none() => {
                     match self.docker.adopt(&container.id).await {
@@ -610,7 +683,10 @@ impl Broker {
     /// the new session does not wait for the engine.
     fn make_room(&self) {
         let (sessions, live) = self.live_sessions();
-        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), 1) {
+        // Containers still starting for other requests hold no session sandbox yet, but
+        // will: counted, so concurrent starts do not overshoot the cap.
+        let room_for = 1 + self.pool.cold_starts();
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room_for) {
             self.evict_detached(&sessions[i], reason, live[i].uses);
         }
     }

@@ -156,6 +156,13 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 
+    /// Started containers kept ready at most: after a burst of new sessions the pool grows
+    /// to the burst's size, up to this, and shrinks back to CODEBROKER_POOL_SIZE five
+    /// minutes after the last one (each ready container holds about 6 MiB). Set it to
+    /// CODEBROKER_POOL_SIZE for a fixed pool.
+    #[arg(long, env = "CODEBROKER_POOL_MAX", default_value_t = 16)]
+    pub pool_max: usize,
+
     /// Pooled containers started at once while refilling, so a burst of new sessions does
     /// not stall the engine for the sessions already running.
     #[arg(long, env = "CODEBROKER_POOL_REFILL_CONCURRENCY", default_value_t = 2)]

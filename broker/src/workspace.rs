@@ -228,6 +228,44 @@ impl Workspace {
         write_atomic(&self.root.join(name), &serde_json::to_vec(value)?)
     }
 
+    /// Makes `pooled`'s files directory this workspace's own, keeping this workspace's
+    /// files: they move into it, then it takes the place of `files/`. A sandbox that
+    /// mounts `pooled`'s directory then sees this workspace's files, because a bind mount
+    /// follows the directory, not its path. `pooled` must be empty (a fresh pooled
+    /// workspace); its metadata directory is removed. On failure nothing is lost: what was
+    /// moved goes back.
+    pub fn take_files_dir_of(&self, pooled: &Workspace) -> io::Result<()> {
+        let ours = self.open_files()?;
+        let theirs = pooled.open_files()?;
+        if theirs.entries()?.next().is_some() {
+            return Err(io::Error::other("the pooled workspace is not empty"));
+        }
+        let names = ours
+            .entries()?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<io::Result<Vec<_>>>()?;
+        // Renames move links and directories as they are, never following them.
+        let put_back = |moved: &[std::ffi::OsString]| {
+            for name in moved {
+                let _ = theirs.rename(name, &ours, name);
+            }
+        };
+        for (i, name) in names.iter().enumerate() {
+            if let Err(err) = ours.rename(name, &theirs, name) {
+                put_back(&names[..i]);
+                return Err(err);
+            }
+        }
+        // `files/` is empty now, and a directory may be renamed over an empty one. If the
+        // sandbox's files were written to meanwhile it is not, and everything goes back.
+        if let Err(err) = std::fs::rename(pooled.files_dir(), self.files_dir()) {
+            put_back(&names);
+            return Err(err);
+        }
+        let _ = std::fs::remove_dir_all(pooled.root());
+        Ok(())
+    }
+
     /// Opens the sandbox-controlled files directory for beneath-only access.
     fn open_files(&self) -> io::Result<Dir> {
         Dir::open_ambient_dir(self.files_dir(), ambient_authority())
@@ -707,6 +745,56 @@ mod tests {
         assert!(ws.open_file("rootlink/etc/passwd").is_err());
         assert!(ws.open_file("fifo").is_err());
         assert!(ws.open_file("../../etc/passwd").is_err());
+    }
+
+    #[test]
+    fn a_pooled_files_dir_takes_over_with_every_file_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ours = Workspace::new(dir.path(), "ours");
+        let pooled = Workspace::new(dir.path(), "pooled");
+        ours.create(0).expect("create");
+        pooled.create(0).expect("create");
+        let files = ours.files_dir();
+        std::fs::write(files.join("a.csv"), "1,2\n").expect("write");
+        std::fs::create_dir_all(files.join("out/deep")).expect("mkdir");
+        std::fs::write(files.join("out/deep/b.txt"), "b").expect("write");
+        std::os::unix::fs::symlink("/etc/passwd", files.join("link")).expect("symlink");
+        // What a sandbox bound to the pooled directory holds open.
+        let mounted = std::fs::File::open(pooled.files_dir()).expect("open");
+        use std::os::unix::fs::MetadataExt as _;
+        let mounted_ino = mounted.metadata().expect("meta").ino();
+
+        ours.take_files_dir_of(&pooled).expect("take");
+
+        assert_eq!(std::fs::metadata(&files).expect("meta").ino(), mounted_ino);
+        assert_eq!(
+            std::fs::read_to_string(files.join("a.csv")).expect("read"),
+            "1,2\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(files.join("out/deep/b.txt")).expect("read"),
+            "b"
+        );
+        assert_eq!(
+            std::fs::read_link(files.join("link")).expect("link"),
+            Path::new("/etc/passwd")
+        );
+        assert!(!pooled.root().exists(), "the pooled workspace is gone");
+    }
+
+    #[test]
+    fn a_pooled_files_dir_that_is_not_empty_is_refused_and_nothing_moves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ours = Workspace::new(dir.path(), "ours");
+        let pooled = Workspace::new(dir.path(), "pooled");
+        ours.create(0).expect("create");
+        pooled.create(0).expect("create");
+        std::fs::write(ours.files_dir().join("mine"), "m").expect("write");
+        std::fs::write(pooled.files_dir().join("theirs"), "t").expect("write");
+        assert!(ours.take_files_dir_of(&pooled).is_err());
+        assert!(ours.files_dir().join("mine").is_file());
+        assert!(!ours.files_dir().join("theirs").exists());
+        assert!(pooled.files_dir().join("theirs").is_file());
     }
 
     #[test]

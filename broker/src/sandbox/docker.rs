@@ -174,6 +174,7 @@ impl DockerBackend {
         start_kernel: bool,
     ) -> anyhow::Result<Sandbox> {
         let body = self.container_body(session_id, workspace);
+        let t0 = std::time::Instant::now();
         let created = self
             .docker
             .create_container(
@@ -184,8 +185,10 @@ impl DockerBackend {
             .inspect_err(|_| self.failed("create"))
             .context("docker create failed")?;
         let id = created.id;
+        let t_create = t0.elapsed();
         let sandbox = async {
             let channel = self.attach_channel(&id).await?;
+            let t_attach = t0.elapsed();
             self.docker
                 .start_container(
                     &id,
@@ -194,11 +197,22 @@ impl DockerBackend {
                 .await
                 .inspect_err(|_| self.failed("start"))
                 .context("docker start failed")?;
+            let t_start = t0.elapsed();
             let sandbox = Sandbox::new(id.clone(), channel);
             tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(start_kernel))
                 .await
                 .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
                 .context("the runner did not answer")?;
+            // Where a start's time goes, for profiling bursts (see docs/PERFORMANCE.md).
+            tracing::debug!(
+                container = %short(&id),
+                create = ?t_create,
+                attach = ?(t_attach - t_create),
+                start = ?(t_start - t_attach),
+                hello = ?(t0.elapsed() - t_start),
+                start_kernel,
+                "sandbox started"
+            );
             anyhow::Ok(sandbox)
         }
         .await;

@@ -2,6 +2,12 @@
 //! new session costs a pool take instead of a container start.
 //!
 //! A pooled sandbox is handed to exactly one session and never comes back.
+//!
+//! The pool keeps `size` ready, and grows towards `max` after a burst: starting a
+//! container is CPU-bound in the engine (about 150 ms of it each on a 2-core host, and
+//! starts do not overlap there), so 20 sessions at once cannot all be cold starts within a
+//! second and a half. It sizes itself to the most takes seen within [`BURST_SPAN`] during
+//! the last [`DEMAND_WINDOW`], and shrinks back when the bursts stop.
 
 use crate::config::Config;
 use crate::ids::new_id;
@@ -12,11 +18,67 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// How long after a take the refill waits before starting a container: starting one costs
 /// the engine and the new kernel over a second of CPU, which on a small host would slow
 /// the very exec the taken sandbox was handed out for.
 const REFILL_DELAY: Duration = Duration::from_millis(250);
+
+/// Takes this close together count as one burst the pool should have absorbed.
+const BURST_SPAN: Duration = Duration::from_secs(1);
+
+/// How long the pool remembers a burst before it shrinks back towards its size.
+const DEMAND_WINDOW: Duration = Duration::from_secs(300);
+
+/// How long the refill yields to cold starts under way before it starts its own: both
+/// queue in the same engine, and a cold start has a request waiting on it.
+const YIELD_TO_COLD_STARTS: Duration = Duration::from_secs(2);
+
+/// Takes remembered at most: the peak is clamped to the pool's maximum anyway.
+const DEMAND_MEMORY: usize = 4096;
+
+/// Recent takes (served or not), to size the pool to the largest recent burst.
+#[derive(Default)]
+pub(crate) struct Demand {
+    /// When each take happened, oldest first, none older than [`DEMAND_WINDOW`].
+    takes: VecDeque<Instant>,
+}
+
+impl Demand {
+    /// Records one take at `now`.
+    pub(crate) fn record(&mut self, now: Instant) {
+        self.forget_before(now);
+        if self.takes.len() == DEMAND_MEMORY {
+            self.takes.pop_front();
+        }
+        self.takes.push_back(now);
+    }
+
+    /// The most takes within any [`BURST_SPAN`] of the last [`DEMAND_WINDOW`].
+    pub(crate) fn peak(&mut self, now: Instant) -> usize {
+        self.forget_before(now);
+        let mut peak = 0;
+        let mut first = 0;
+        for (last, at) in self.takes.iter().enumerate() {
+            while *at - self.takes[first] >= BURST_SPAN {
+                first += 1;
+            }
+            peak = peak.max(last - first + 1);
+        }
+        peak
+    }
+
+    fn forget_before(&mut self, now: Instant) {
+        while self
+            .takes
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > DEMAND_WINDOW)
+        {
+            self.takes.pop_front();
+        }
+    }
+}
 
 /// A started sandbox waiting for its session.
 pub struct Pooled {
@@ -32,12 +94,19 @@ pub struct Pooled {
 pub struct Pool {
     /// Sandboxes ready to be taken, oldest first.
     ready: Mutex<VecDeque<Pooled>>,
-    /// How many the pool keeps ready.
-    target: usize,
+    /// How many the pool keeps ready when no burst was seen lately (0: no pool).
+    size: usize,
+    /// How many it keeps ready at most, after a burst.
+    max: usize,
+    /// Recent takes, which decide where between `size` and `max` the pool stands.
+    demand: Mutex<Demand>,
     /// How many it starts at once, so a burst does not stall the engine.
     concurrency: usize,
     /// Creations under way, so the refiller does not overshoot.
     creating: AtomicUsize,
+    /// Sandboxes started for a waiting request outside the pool, which the refill lets go
+    /// first.
+    cold_starts: Arc<AtomicUsize>,
     /// Wakes the refiller after a take.
     wake: Notify,
     /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
@@ -48,16 +117,30 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(target: usize, concurrency: usize) -> Pool {
+    pub fn new(size: usize, max: usize, concurrency: usize) -> Pool {
         Pool {
             ready: Mutex::new(VecDeque::new()),
-            target,
+            size,
+            max: if size == 0 { 0 } else { max.max(size) },
+            demand: Mutex::new(Demand::default()),
             concurrency: concurrency.max(1),
             creating: AtomicUsize::new(0),
+            cold_starts: Arc::new(AtomicUsize::new(0)),
             wake: Notify::new(),
             last_take: Mutex::new(None),
             closed: AtomicBool::new(false),
         }
+    }
+
+    /// Marks a sandbox start for a waiting request (a pool miss) until the guard drops.
+    pub fn cold_start(&self) -> ColdStart {
+        self.cold_starts.fetch_add(1, Ordering::SeqCst);
+        ColdStart(self.cold_starts.clone())
+    }
+
+    /// How many sandboxes are being started outside the pool now.
+    pub fn cold_starts(&self) -> usize {
+        self.cold_starts.load(Ordering::SeqCst)
     }
 
     /// How many sandboxes are being started now.
@@ -70,13 +153,33 @@ impl Pool {
         self.lock().len()
     }
 
-    /// How many the pool aims to keep.
+    /// How many the pool aims to keep now: its size, or the largest recent burst up to
+    /// its maximum.
     pub fn target(&self) -> usize {
-        self.target
+        let peak = self
+            .demand
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .peak(Instant::now());
+        peak.clamp(self.size, self.max)
     }
 
-    /// Takes a live pooled sandbox, if one is ready.
+    /// Takes a live pooled sandbox, if one is ready. Either way the take counts as demand.
     pub fn take(&self) -> Option<Pooled> {
+        self.take_counting(true)
+    }
+
+    /// Takes a live pooled sandbox only if one is ready, counting demand only then: for a
+    /// caller that falls back to [`Pool::take`] later, so a miss is counted once.
+    pub fn take_if_ready(&self) -> Option<Pooled> {
+        self.take_counting(false)
+    }
+
+    fn take_counting(&self, count_miss: bool) -> Option<Pooled> {
+        if self.size == 0 {
+            return None;
+        }
+        let now = Instant::now();
         let taken = loop {
             let Some(pooled) = self.lock().pop_front() else {
                 break None;
@@ -86,8 +189,14 @@ impl Pool {
             }
             // A dead one is dropped; the refiller's sweep removes its container.
         };
-        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(tokio::time::Instant::now());
+        if taken.is_none() && !count_miss {
+            return None;
+        }
+        self.demand
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(now);
+        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
         self.wake.notify_one();
         taken
     }
@@ -99,7 +208,7 @@ impl Pool {
         config: Arc<Config>,
         mut shutdown: tokio::sync::watch::Receiver<bool>,
     ) {
-        if self.target == 0 {
+        if self.size == 0 {
             return;
         }
         loop {
@@ -110,7 +219,18 @@ impl Pool {
                     _ = shutdown.wait_for(|s| *s) => break,
                 }
             }
-            while self.ready() + self.creating.load(Ordering::SeqCst) < self.target
+            let target = self.target();
+            self.shrink_to(target, &docker).await;
+            let yield_until = tokio::time::Instant::now() + YIELD_TO_COLD_STARTS;
+            while self.cold_starts.load(Ordering::SeqCst) > 0
+                && tokio::time::Instant::now() < yield_until
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if *shutdown.borrow() {
+                break;
+            }
+            while self.ready() + self.creating.load(Ordering::SeqCst) < target
                 && self.creating.load(Ordering::SeqCst) < self.concurrency
             {
                 self.creating.fetch_add(1, Ordering::SeqCst);
@@ -179,8 +299,29 @@ impl Pool {
         }
     }
 
+    /// Removes the oldest ready sandboxes over `target`, once a burst is forgotten.
+    async fn shrink_to(&self, target: usize, docker: &DockerBackend) {
+        let extra: Vec<Pooled> = {
+            let mut ready = self.lock();
+            let over = ready.len().saturating_sub(target);
+            ready.drain(..over).collect()
+        };
+        for pooled in extra {
+            remove(docker, pooled).await;
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A sandbox start outside the pool, counted while it lasts.
+pub struct ColdStart(Arc<AtomicUsize>);
+
+impl Drop for ColdStart {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -207,5 +348,69 @@ async fn create_pooled(docker: &DockerBackend, config: &Config) -> anyhow::Resul
             let _ = std::fs::remove_dir_all(workspace.root());
             Err(err)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_pool_grows_to_a_burst_and_shrinks_after_the_window() {
+        let pool = Pool::new(2, 16, 2);
+        assert_eq!(pool.target(), 2);
+        for _ in 0..20 {
+            assert!(pool.take().is_none());
+        }
+        assert_eq!(pool.target(), 16, "clamped to the maximum");
+        tokio::time::advance(DEMAND_WINDOW / 2).await;
+        assert_eq!(pool.target(), 16, "remembered for the window");
+        tokio::time::advance(DEMAND_WINDOW).await;
+        assert_eq!(pool.target(), 2, "back to its size");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn takes_spread_out_are_not_a_burst() {
+        let pool = Pool::new(1, 16, 2);
+        for _ in 0..10 {
+            pool.take();
+            tokio::time::advance(BURST_SPAN).await;
+        }
+        assert_eq!(pool.target(), 1);
+        for _ in 0..3 {
+            pool.take();
+            tokio::time::advance(BURST_SPAN / 4).await;
+        }
+        assert_eq!(pool.target(), 3, "three takes within one span");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pool_of_size_zero_stays_off() {
+        let pool = Pool::new(0, 16, 2);
+        for _ in 0..5 {
+            assert!(pool.take().is_none());
+        }
+        assert_eq!(pool.target(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_maximum_below_the_size_is_the_size() {
+        let pool = Pool::new(4, 1, 2);
+        assert_eq!(pool.target(), 4);
+        for _ in 0..9 {
+            pool.take();
+        }
+        assert_eq!(pool.target(), 4);
+    }
+
+    #[test]
+    fn demand_memory_is_bounded() {
+        let mut demand = Demand::default();
+        let now = Instant::now();
+        for _ in 0..DEMAND_MEMORY * 2 {
+            demand.record(now);
+        }
+        assert_eq!(demand.takes.len(), DEMAND_MEMORY);
+        assert_eq!(demand.peak(now), DEMAND_MEMORY);
     }
 }
