@@ -4,7 +4,8 @@
 //!
 //! Rows: warm `print(1)` through `/exec` (baseline: `docker exec` into the same
 //! container); the first exec of a new session with the pool warm and without a pool
-//! (baseline: `docker run --rm`); 20 new sessions at once; 8 sessions x 200 warm execs in
+//! (baseline: `docker run --rm`); 20 new sessions at once (the first burst, then again
+//! with the pool grown, and where a burst of cold starts spends its CPU); 8 sessions x 200 warm execs in
 //! parallel; 10,000 lines of output; a 1 MiB upload read by an exec; 100 MiB up and down;
 //! 200 idle sessions held (broker RSS, memory per container); a C program compiled, then
 //! rerun from the compile cache; the first `import pandas`; a tool-call round trip; a
@@ -317,7 +318,7 @@ async fn main() {
 
     warm_rows(scale, tmp.path(), &mut rows).await;
     new_session_rows(scale, tmp.path(), &mut rows).await;
-    burst_rows(scale, tmp.path(), &mut rows).await;
+    burst_rows(scale, tmp.path(), &mut rows, &mut notes).await;
     file_rows(scale, tmp.path(), &mut rows).await;
     idle_rows(scale, tmp.path(), &mut rows).await;
     churn_rows(scale, tmp.path(), &mut rows, &mut notes).await;
@@ -663,11 +664,59 @@ async fn new_session_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<R
     ));
 }
 
-/// 20 new sessions at once, pool warm.
-async fn burst_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
+/// 20 new sessions at once: the first burst after start (the pool at its size, so most
+/// are cold starts), then again once the pool has grown to the burst; then where the CPU
+/// of a burst of cold starts goes.
+async fn burst_rows(
+    scale: Scale,
+    data: &std::path::Path,
+    rows: &mut Vec<Row>,
+    notes: &mut Vec<String>,
+) {
     let n = scale.pick(20, 8);
-    let bench = Bench::start("burst", data, |c| c.pool_size = 2).await;
+    let bench = Bench::start("burst", data, |c| {
+        c.pool_size = 2;
+        c.pool_max = 16;
+    })
+    .await;
     bench.wait_pool(2).await;
+    let (first, failed) = burst(&bench, n).await;
+    rows.push(Row::timed(
+        &format!("{n} new sessions at once, pool 2 ({failed} failed)"),
+        first,
+        "p99<=1500, 0 failed",
+        "first burst: cold starts",
+    ));
+    let target = bench.health().await["pool"]["target"].as_u64().unwrap_or(0);
+    bench.wait_pool(target).await;
+    let (grown, failed) = burst(&bench, n).await;
+    rows.push(Row::timed(
+        &format!("{n} new sessions at once, pool {target} ({failed} failed)"),
+        grown,
+        "p99<=1500, 0 failed",
+        "pool grown by the first",
+    ));
+    bench.stop().await;
+
+    // The same burst with no pool at all, with the CPU time of each part of the host.
+    let cold_n = n - 2;
+    let bench = Bench::start("coldburst", data, |_| {}).await;
+    let before = CpuSnapshot::take();
+    let (cold, failed) = burst(&bench, cold_n).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = CpuSnapshot::take();
+    bench.stop().await;
+    let (p50, _, p99) = summary(&cold);
+    notes.push(format!(
+        "\nwhere the CPU of {cold_n} cold starts at once goes (no pool; p50 {p50:.0} ms, p99 {p99:.0} ms, {failed} failed; {} cores):",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+    notes.extend(after.report_since(&before, cold_n));
+}
+
+/// Starts `n` new sessions at once, each running `print(1)`; their latencies and how many
+/// failed.
+async fn burst(bench: &Bench, n: usize) -> (Vec<Duration>, usize) {
     let tasks: Vec<_> = (0..n)
         .map(|_| {
             let client = bench.client.clone();
@@ -697,21 +746,170 @@ async fn burst_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
         samples.push(took);
         failed += usize::from(!ok);
     }
-    bench.stop().await;
-    rows.push(Row::timed(
-        &format!("{n} new sessions at once ({failed} failed)"),
-        samples,
-        "p99<=1500, 0 failed",
-        "",
-    ));
+    (samples, failed)
+}
+
+/// CPU seconds used so far by the host and by each part of a container start.
+struct CpuSnapshot {
+    /// All CPUs, busy time.
+    busy: f64,
+    /// Per process of a part, by pid: the part and its CPU seconds. Parts: the engine
+    /// (`dockerd`), `containerd`, the per-container shims with the `runc` runs they waited
+    /// for, and this process (the broker and the bench client). By pid, so processes that
+    /// exit between two snapshots (the shims of removed containers) do not count.
+    processes: std::collections::HashMap<u32, (usize, f64)>,
+    /// Per container cgroup (the runner, the kernel, `runc init`), by cgroup directory.
+    containers: std::collections::HashMap<String, f64>,
+}
+
+/// The parts of [`CpuSnapshot::processes`], in report order.
+const CPU_PARTS: [&str; 4] = [
+    "dockerd",
+    "containerd",
+    "shims and runc",
+    "broker + bench client",
+];
+
+impl CpuSnapshot {
+    fn take() -> CpuSnapshot {
+        let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let busy = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| {
+                let v: Vec<f64> = s
+                    .lines()
+                    .next()?
+                    .split_whitespace()
+                    .skip(1)
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                let idle = v.get(3)? + v.get(4)?;
+                Some((v.iter().sum::<f64>() - idle) / tick)
+            })
+            .unwrap_or(0.0);
+        let mut processes = std::collections::HashMap::new();
+        let me = std::process::id();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let comm = &stat[open + 1..close];
+            // After the state letter: utime, stime, cutime, cstime are fields 11 to 14.
+            let f: Vec<f64> = stat[close + 1..]
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let part = match comm {
+                "dockerd" => 0,
+                "containerd" => 1,
+                c if c.starts_with("containerd-shim") => 2,
+                _ if pid == me => 3,
+                _ => continue,
+            };
+            let own = f.get(10).unwrap_or(&0.0) + f.get(11).unwrap_or(&0.0);
+            // Waited-for children: a shim's runc runs (not this process's own children).
+            let kids = f.get(12).unwrap_or(&0.0) + f.get(13).unwrap_or(&0.0);
+            let cpu = (own + if part == 3 { 0.0 } else { kids }) / tick;
+            processes.insert(pid, (part, cpu));
+        }
+        CpuSnapshot {
+            busy,
+            processes,
+            containers: container_cpu(),
+        }
+    }
+
+    /// One line per part: CPU seconds since `before`, and per session of `n`.
+    fn report_since(&self, before: &CpuSnapshot, n: usize) -> Vec<String> {
+        let total = self.busy - before.busy;
+        let mut lines = Vec::new();
+        let mut counted = 0.0;
+        let mut line = |name: &str, secs: f64| {
+            lines.push(format!(
+                "  {name:<46} {secs:>6.2} s  {:>6.1} ms per session",
+                secs / n.max(1) as f64 * 1000.0
+            ));
+        };
+        for (part, name) in CPU_PARTS.iter().enumerate() {
+            let secs: f64 = self
+                .processes
+                .iter()
+                .filter(|(_, (p, _))| *p == part)
+                .map(|(pid, (_, now))| now - before.processes.get(pid).map_or(0.0, |b| b.1))
+                .sum();
+            counted += secs;
+            line(name, secs);
+        }
+        let inside: f64 = self
+            .containers
+            .iter()
+            .map(|(id, now)| now - before.containers.get(id).unwrap_or(&0.0))
+            .sum();
+        counted += inside;
+        line("in the containers (runc init, runner, kernel)", inside);
+        line("the host kernel and the rest", (total - counted).max(0.0));
+        line("all CPUs busy", total);
+        lines
+    }
+}
+
+/// CPU seconds of each Docker container cgroup (cgroup v1 or v2, cgroupfs or systemd).
+fn container_cpu() -> std::collections::HashMap<String, f64> {
+    let mut out = std::collections::HashMap::new();
+    let v1 = [
+        "/sys/fs/cgroup/cpuacct/docker",
+        "/sys/fs/cgroup/cpu,cpuacct/docker",
+    ];
+    for dir in v1 {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if let Some(ns) = std::fs::read_to_string(entry.path().join("cpuacct.usage"))
+                .ok()
+                .and_then(|s| s.trim().parse::<f64>().ok())
+            {
+                out.insert(entry.file_name().to_string_lossy().to_string(), ns / 1e9);
+            }
+        }
+    }
+    for dir in ["/sys/fs/cgroup/docker", "/sys/fs/cgroup/system.slice"] {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if dir.ends_with("system.slice") && !name.starts_with("docker-") {
+                continue;
+            }
+            let usec = std::fs::read_to_string(entry.path().join("cpu.stat"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("usage_usec "))
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                });
+            if let Some(usec) = usec {
+                out.insert(name, usec / 1e6);
+            }
+        }
+    }
+    out
 }
 
 /// Uploads and downloads.
 async fn file_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
-    let bench = Bench::start("files", data, |c| c.max_upload_mb = 128).await;
+    let bench = Bench::start("files", data, |c| {
+        c.max_upload_mb = 128;
+        c.pool_size = 2;
+    })
+    .await;
     let mut small = Vec::new();
     let one_mib = vec![b'x'; 1024 * 1024];
     for _ in 0..scale.pick(10, 3) {
+        // The upload's session has no sandbox; its first exec is handed a pooled one.
+        bench.wait_pool(1).await;
         let (took, _) = timed(async {
             let up = bench.upload("in.bin", one_mib.clone()).await;
             let s = up["session_id"].as_str().expect("session").to_string();
@@ -731,7 +929,7 @@ async fn file_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
         "1 MiB upload, then an exec reads it",
         small,
         "",
-        "",
+        "pool warm",
     ));
 
     let size = 100 * 1024 * 1024;
