@@ -3,26 +3,22 @@
 //! allowlisted environment variables), and `search` finds them. Driven by rmcp's client.
 
 mod common;
+#[path = "common/mcp_client.rs"]
+mod mcp_client;
 
 use axum::response::Redirect;
 use axum::routing::get;
 use common::TestBroker;
+use mcp_client::{call, Client};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{
-    CallToolRequestParams, CallToolResult, ClientConfig, ServerCapabilities, ServerConfig,
-};
-use rmcp::service::RunningService;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::model::{ServerCapabilities, ServerConfig};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::{tool, tool_handler, tool_router, RoleClient, ServerHandler, ServiceExt};
+use rmcp::{tool, tool_handler, tool_router, ServerHandler};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-type Client = RunningService<RoleClient, ClientConfig>;
 
 const ENV_KEY: &str = "CODEBROKER_CODEMODE_TEST_VALUE";
 
@@ -132,21 +128,7 @@ async fn start(tag: &str) -> (TestBroker, u16) {
 }
 
 async fn connect(broker: &TestBroker) -> Client {
-    let config = StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp"));
-    ClientConfig::default()
-        .serve(StreamableHttpClientTransport::from_config(config))
-        .await
-        .expect("connect")
-}
-
-async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
-    let Value::Object(args) = args else {
-        panic!("arguments must be an object");
-    };
-    client
-        .call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args))
-        .await
-        .unwrap_or_else(|e| panic!("{tool} failed: {e}"))
+    mcp_client::connect(broker, None).await.expect("connect")
 }
 
 /// `execute`'s structured `{result, logs, error}`.

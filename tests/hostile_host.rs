@@ -999,13 +999,13 @@ async fn users_share_nothing() {
 #[tokio::test]
 async fn a_pooled_container_never_carries_another_sessions_state() {
     let broker = TestBroker::start_with("hh-pool", |c| c.pool_size = 2).await;
-    wait_for_pool(&broker, 2).await;
+    broker.wait_for_pool(2).await;
     let a = broker.run("py", LEAVE_TRACES, None).await;
     assert_eq!(stdout(&a), "traced\n", "{a}");
     let a_container = container_of(&broker.instance, &session(&a));
     // Every session the pool serves after A is clean, and never runs in A's container.
     for _ in 0..3 {
-        wait_for_pool(&broker, 1).await;
+        broker.wait_for_pool(1).await;
         let b = broker.run("py", LOOK_FOR_TRACES, None).await;
         assert_ne!(session(&b), session(&a));
         assert_eq!(b["runtime_status"], "new", "{b}");
@@ -1015,19 +1015,6 @@ async fn a_pooled_container_never_carries_another_sessions_state() {
     }
     let again = broker.run("py", "print(TRACE)", Some(&session(&a))).await;
     assert_eq!(stdout(&again), "left-behind\n");
-}
-
-/// Waits until the pool holds at least `n` ready sandboxes.
-async fn wait_for_pool(broker: &TestBroker, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let health: Value = broker.get("/health").await.json().await.expect("health");
-        if health["pool"]["ready"].as_u64().unwrap_or(0) >= n {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pool never filled: {health}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// The id of the container labelled with `session_id`.

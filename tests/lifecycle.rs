@@ -153,16 +153,7 @@ async fn a_restarted_broker_finds_its_containers() {
 #[tokio::test]
 async fn new_sessions_come_from_the_pool() {
     let broker = TestBroker::start_with("pool", |c| c.pool_size = 1).await;
-    let mut ready = false;
-    for _ in 0..100 {
-        let health: serde_json::Value = broker.get("/health").await.json().await.expect("json");
-        if health["pool"]["ready"] == 1 {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(ready, "the pool did not fill");
+    broker.wait_for_pool(1).await;
     let resp = broker.run("py", "print(1)", None).await;
     assert_eq!(stdout(&resp).trim(), "1");
     assert_eq!(resp["runtime_status"], "new");
@@ -182,7 +173,10 @@ async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() 
         c.pool_max = 1;
     })
     .await;
-    let pooled = wait_for_pooled(&first).await;
+    first.wait_for_pool(1).await;
+    let pooled = first.containers();
+    assert_eq!(pooled.len(), 1, "{pooled:?}");
+    let pooled = pooled[0].clone();
     let form = reqwest::multipart::Form::new().part(
         "file",
         reqwest::multipart::Part::bytes(b"4,5\n".to_vec()).file_name("in.csv"),
@@ -241,20 +235,6 @@ async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() 
     drop(tmp);
 }
 
-/// Waits for the pool to hold one sandbox; returns its container id.
-async fn wait_for_pooled(broker: &TestBroker) -> String {
-    for _ in 0..200 {
-        let health: serde_json::Value = broker.get("/health").await.json().await.expect("json");
-        if health["pool"]["ready"] == 1 {
-            let ids = broker.containers();
-            assert_eq!(ids.len(), 1, "{ids:?}");
-            return ids[0].clone();
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the pool did not fill");
-}
-
 /// A burst of new sessions grows the pool to the burst's size (up to its maximum), so the
 /// next burst is served from it.
 #[tokio::test]
@@ -264,20 +244,13 @@ async fn the_pool_grows_after_a_burst_of_new_sessions() {
         c.pool_max = 3;
     })
     .await;
-    wait_for_pooled(&broker).await;
+    broker.wait_for_pool(1).await;
     let codes: Vec<String> = (0..4).map(|i| format!("print({i})")).collect();
     let burst = codes.iter().map(|code| broker.run("py", code, None));
     for (i, resp) in futures::future::join_all(burst).await.iter().enumerate() {
         assert_eq!(stdout(resp), format!("{i}\n"), "{resp}");
     }
-    let mut health = serde_json::Value::Null;
-    for _ in 0..300 {
-        health = broker.get("/health").await.json().await.expect("json");
-        if health["pool"]["ready"] == 3 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let health = broker.wait_for_pool(3).await;
     assert_eq!(health["pool"]["target"], 3, "{health}");
     assert_eq!(health["pool"]["ready"], 3, "{health}");
     let burst = (0..3).map(|_| broker.run("py", "print('again')", None));

@@ -3,59 +3,16 @@
 //! one MCP session), the file tools, auth and the Host check.
 
 mod common;
+#[path = "common/mcp_client.rs"]
+mod mcp_client;
 
 use base64::Engine as _;
 use common::TestBroker;
-use rmcp::model::{CallToolRequestParams, CallToolResult, ClientConfig, ContentBlock};
-use rmcp::service::RunningService;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::{RoleClient, ServiceExt};
+use mcp_client::{call, connect, structured, text};
+use rmcp::model::ContentBlock;
 use serde_json::{json, Value};
 
-type Client = RunningService<RoleClient, ClientConfig>;
-
 const KEY: &str = "mcp-test-key";
-
-/// An MCP client on the broker's `/mcp`, initialized (one MCP session).
-async fn connect(broker: &TestBroker, key: Option<&str>) -> Result<Client, String> {
-    let mut config = StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp"));
-    if let Some(key) = key {
-        config = config.auth_header(key);
-    }
-    let transport = StreamableHttpClientTransport::from_config(config);
-    ClientConfig::default()
-        .serve(transport)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
-    let Value::Object(args) = args else {
-        panic!("arguments must be an object");
-    };
-    client
-        .call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args))
-        .await
-        .unwrap_or_else(|e| panic!("{tool} failed: {e}"))
-}
-
-/// All text blocks of a result, joined.
-fn text(result: &CallToolResult) -> String {
-    result
-        .content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-fn structured(result: &CallToolResult) -> &Value {
-    result
-        .structured_content
-        .as_ref()
-        .expect("structuredContent")
-}
 
 #[tokio::test]
 async fn initialize_lists_the_tools() {

@@ -521,7 +521,11 @@ impl Broker {
         }
         self.audit.record(
             "sandbox_from_pool",
-            serde_json::json!({"session": session.id(), "container": short(&record.container_id)}),
+            serde_json::json!({
+                "user": session.meta.user,
+                "session": session.id(),
+                "container": short(&record.container_id),
+            }),
         );
         session.set_sandbox(Some(pooled.sandbox.clone()));
         Some(pooled.sandbox)

@@ -157,6 +157,22 @@ impl TestBroker {
         self.client.get(self.url(path)).send().await.expect("GET")
     }
 
+    /// Waits until the pool holds at least `n` ready sandboxes; returns `/health`.
+    pub async fn wait_for_pool(&self, n: u64) -> Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let health: Value = self.get("/health").await.json().await.expect("health");
+            if health["pool"]["ready"].as_u64().unwrap_or(0) >= n {
+                return health;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pool never filled: {health}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Ids of this instance's containers.
     pub fn containers(&self) -> Vec<String> {
         containers_of(&self.instance)
