@@ -258,3 +258,40 @@ async fn the_pool_grows_after_a_burst_of_new_sessions() {
         assert_eq!(stdout(&resp), "again\n", "{resp}");
     }
 }
+
+/// A pooled container that dies before it is taken is removed with its workspace, and the
+/// pool starts another.
+#[tokio::test]
+async fn a_dead_pooled_container_is_removed_and_replaced() {
+    let broker = TestBroker::start_with("pool-dead", |c| {
+        c.pool_size = 1;
+        c.pool_max = 1;
+    })
+    .await;
+    broker.wait_for_pool(1).await;
+    let dead = broker.containers();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let killed = std::process::Command::new("docker")
+        .args(["kill", &dead[0]])
+        .output()
+        .expect("docker kill");
+    assert!(killed.status.success(), "{killed:?}");
+    let sessions = broker.data.join("sessions");
+    let workspaces = || std::fs::read_dir(&sessions).map_or(0, |d| d.count());
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let ids = broker.containers();
+        if ids.len() == 1 && ids[0] != dead[0] && workspaces() == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "containers {ids:?}, workspaces {}",
+            workspaces()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    broker.wait_for_pool(1).await;
+    let resp = broker.run("py", "print('fresh')", None).await;
+    assert_eq!(stdout(&resp), "fresh\n");
+}

@@ -109,6 +109,9 @@ pub struct Pool {
     cold_starts: Arc<AtomicUsize>,
     /// Wakes the refiller after a take.
     wake: Notify,
+    /// Pooled sandboxes found dead (their container exited), for the refiller to remove
+    /// with their workspace.
+    dead: Mutex<Vec<Pooled>>,
     /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
     last_take: Mutex<Option<tokio::time::Instant>>,
     /// Set when draining: a creation that finishes later removes its sandbox instead of
@@ -127,6 +130,7 @@ impl Pool {
             creating: AtomicUsize::new(0),
             cold_starts: Arc::new(AtomicUsize::new(0)),
             wake: Notify::new(),
+            dead: Mutex::new(Vec::new()),
             last_take: Mutex::new(None),
             closed: AtomicBool::new(false),
         }
@@ -187,7 +191,11 @@ impl Pool {
             if pooled.sandbox.is_alive() {
                 break Some(pooled);
             }
-            // A dead one is dropped; the refiller's sweep removes its container.
+            // A dead one goes to the refiller, which removes its container.
+            self.dead
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(pooled);
         };
         if taken.is_none() && !count_miss {
             return None;
@@ -218,6 +226,11 @@ impl Pool {
                     _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
                     _ = shutdown.wait_for(|s| *s) => break,
                 }
+            }
+            let dead = std::mem::take(&mut *self.dead.lock().unwrap_or_else(|p| p.into_inner()));
+            for pooled in dead {
+                tracing::warn!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "a pooled sandbox died; removing it");
+                remove(&docker, pooled).await;
             }
             let target = self.target();
             self.shrink_to(target, &docker).await;
@@ -266,7 +279,17 @@ impl Pool {
             tokio::select! {
                 _ = self.wake.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(5)) => {
-                    self.lock().retain(|p| p.sandbox.is_alive());
+                    let dead: Vec<Pooled> = {
+                        let mut ready = self.lock();
+                        let (alive, dead): (Vec<Pooled>, Vec<Pooled>) =
+                            ready.drain(..).partition(|p| p.sandbox.is_alive());
+                        *ready = alive.into();
+                        dead
+                    };
+                    self.dead
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .extend(dead);
                 }
                 _ = shutdown.wait_for(|s| *s) => break,
             }
