@@ -1252,7 +1252,14 @@ async fn a_killed_broker_restarts_without_leaks_or_losses() {
 /// Starts 64 sessions at once on a broker with `max_containers` (0: no cap); every
 /// request is served or refused with 429, never a 5xx. Returns how many were served.
 async fn burst_of_64(tag: &str, max_containers: usize) -> usize {
-    let broker = TestBroker::start_with(tag, |c| c.max_containers = max_containers).await;
+    let broker = TestBroker::start_with(tag, |c| {
+        c.max_containers = max_containers;
+        // Room for the burst and the bystander: at the default cap of 64 live sandboxes
+        // the 65th would rightly evict the least recently used idle one, the bystander
+        // (that eviction is `churn.rs`'s to test).
+        c.max_live_sandboxes = 65;
+    })
+    .await;
     let bystander = Bystander::start(&broker).await;
     let requests = (0..64).map(|i| {
         let broker = &broker;
