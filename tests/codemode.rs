@@ -394,6 +394,7 @@ async fn stdio_upstream_servers_are_called() {
             call_id: "c1".into(),
             name: "echo.echo".into(),
             input: json!({"text": "hi"}),
+            batch: None,
         })
         .await;
     assert!(!result.is_error, "{result:?}");
@@ -410,6 +411,7 @@ async fn bridge_call(
         call_id: "c1".into(),
         name: name.into(),
         input,
+        batch: None,
     })
     .await
 }

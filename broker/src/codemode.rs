@@ -1342,6 +1342,7 @@ mod tests {
             call_id: "c1".into(),
             name: name.into(),
             input,
+            batch: None,
         };
         let r = mode.serve(call("z", json!({}))).await;
         assert_eq!(r.error_message.as_deref(), Some("Unknown tool: 'z'"));

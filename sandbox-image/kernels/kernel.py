@@ -608,6 +608,34 @@ def _json_default(value):
     raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
 
 
+# Calls started in the same turn of the event loop (`asyncio.gather(a(), b())`) are sent
+# together once the turn ends, each naming the step and its size, so the broker answers
+# them as one batch. One step at a time per event loop (threads may run their own loop).
+_steps = {}
+_step_count = [0]
+
+
+async def _step_of_call():
+    """Joins this turn's step; once the turn ends, its hint (None for a lone call)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    step = _steps.get(id(loop))
+    if step is None:
+        _step_count[0] += 1
+        step = {"id": "py-%d" % _step_count[0], "size": 0, "done": loop.create_future()}
+        _steps[id(loop)] = step
+
+        def close():
+            _steps.pop(id(loop), None)
+            step["done"].set_result(None)
+
+        loop.call_soon(close)
+    step["size"] += 1
+    await step["done"]
+    return {"id": step["id"], "size": step["size"]} if step["size"] > 1 else None
+
+
 async def call_tool(socket_path, name, payload):
     """One call over the tool socket: the result, or ToolError."""
     import asyncio
@@ -615,7 +643,11 @@ async def call_tool(socket_path, name, payload):
 
     if not socket_path:
         raise ToolError("Tool %r is not available: this exec has no tool socket" % name, name)
-    line = json.dumps({"name": name, "input": payload}, default=_json_default).encode() + b"\n"
+    batch = await _step_of_call()
+    request = {"name": name, "input": payload}
+    if batch:
+        request["batch"] = batch
+    line = json.dumps(request, default=_json_default).encode() + b"\n"
     try:
         reader, writer = await asyncio.open_unix_connection(socket_path)
     except OSError as e:

@@ -36,6 +36,21 @@ const BATCH_WINDOW: Duration = Duration::from_millis(2);
 /// short by it is still correct; its other calls come in the next answer.
 const MIN_BATCH_WINDOW: Duration = Duration::from_micros(250);
 
+/// How long a batch waits for the rest of the calls the code made in one step (see
+/// [`sandbox_runner::BatchHint`]): they are already on their way, so this bounds a
+/// host's scheduling delay, not the code.
+const GROUP_WAIT: Duration = Duration::from_millis(500);
+
+/// Whether `batch` holds some but not all calls of a step.
+fn group_incomplete(batch: &[ToolCall]) -> bool {
+    let mut seen: std::collections::HashMap<&str, (u32, u32)> = Default::default();
+    for hint in batch.iter().filter_map(|c| c.batch.as_ref()) {
+        let entry = seen.entry(hint.id.as_str()).or_insert((0, hint.size));
+        entry.0 += 1;
+    }
+    seen.values().any(|(got, size)| got < size)
+}
+
 /// The window after a batch of `calls` calls, from the window it was collected with.
 fn next_window(window: Duration, calls: usize) -> Duration {
     if calls > 1 {
@@ -318,8 +333,19 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
         Some(first) = calls.recv() => {
             let mut batch = vec![first];
             let window = *lock(&run.window);
-            while let Ok(Some(more)) = tokio::time::timeout(window, calls.recv()).await {
-                batch.push(more);
+            let group_deadline = tokio::time::Instant::now() + GROUP_WAIT;
+            loop {
+                // Calls the code made in one step are answered together, however the
+                // host schedules their arrival; others only within the window.
+                let wait = if group_incomplete(&batch) {
+                    group_deadline.saturating_duration_since(tokio::time::Instant::now())
+                } else {
+                    window
+                };
+                match tokio::time::timeout(wait, calls.recv()).await {
+                    Ok(Some(more)) => batch.push(more),
+                    _ => break,
+                }
             }
             *lock(&run.window) = next_window(window, batch.len());
             Ok(batch)
@@ -449,6 +475,30 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use sandbox_runner::{Limit, RuntimeStatus};
+
+    #[test]
+    fn a_batch_waits_for_every_call_of_a_step() {
+        let call = |id: &str, hint: Option<(&str, u32)>| ToolCall {
+            call_id: id.into(),
+            name: "add".into(),
+            input: json!({}),
+            batch: hint.map(|(id, size)| sandbox_runner::BatchHint {
+                id: id.into(),
+                size,
+            }),
+        };
+        assert!(!group_incomplete(&[call("1", None)]));
+        assert!(group_incomplete(&[call("1", Some(("a", 2)))]));
+        assert!(!group_incomplete(&[
+            call("1", Some(("a", 2))),
+            call("2", Some(("a", 2)))
+        ]));
+        assert!(group_incomplete(&[
+            call("1", Some(("a", 2))),
+            call("2", Some(("a", 2))),
+            call("3", Some(("b", 3)))
+        ]));
+    }
 
     #[test]
     fn the_batch_window_shrinks_for_single_calls_and_resets_for_parallel_ones() {

@@ -143,6 +143,20 @@ pub struct ToolCall {
     /// The input object the code passed.
     #[serde(default)]
     pub input: serde_json::Value,
+    /// Set when the code made this call together with others in one step (JavaScript's
+    /// `Promise.all`, Python's `asyncio.gather`): the broker answers them as one batch
+    /// however far apart they arrive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchHint>,
+}
+
+/// The calls a piece of code made in the same step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchHint {
+    /// Names the step, unique within the exec.
+    pub id: String,
+    /// How many calls it made.
+    pub size: u32,
 }
 
 /// The outcome of a [`ToolCall`].

@@ -153,11 +153,29 @@ const JS_PRELUDE_BODY: &str = r#"
     }
   }
 
+  // Calls made in the same synchronous step (`Promise.all([a(), b()])`) are sent
+  // together once the step ends, each naming the step and its size, so the broker answers
+  // them as one batch.
+  let step = null;
+  let steps = 0;
+  function inStep(start) {
+    if (step === null) {
+      const current = { id: `js-${++steps}`, starts: [] };
+      step = current;
+      process.nextTick(() => {
+        step = null;
+        const size = current.starts.length;
+        for (const go of current.starts) go(size > 1 ? { id: current.id, size } : undefined);
+      });
+    }
+    step.starts.push(start);
+  }
+
   function callTool(name, input) {
-    return new Promise((resolve, reject) => {
+    return new Promise((resolve, reject) => inStep((batch) => {
       let line;
       try {
-        line = JSON.stringify({ name, input: input === undefined ? {} : input }) + "\n";
+        line = JSON.stringify({ name, input: input === undefined ? {} : input, batch }) + "\n";
       } catch (e) {
         reject(e);
         return;
@@ -185,7 +203,7 @@ const JS_PRELUDE_BODY: &str = r#"
           resolve(answer.result === undefined ? null : answer.result);
         }
       });
-    });
+    }));
   }
 
   const codemode = {};

@@ -15,7 +15,7 @@
 //! which closes every connection and removes the socket's directory.
 
 use crate::frame::Channel;
-use sandbox_runner::{JobId, ToolCall, ToolResult, ToolSpec, WorkerMessage};
+use sandbox_runner::{BatchHint, JobId, ToolCall, ToolResult, ToolSpec, WorkerMessage};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
@@ -41,6 +41,9 @@ struct Request {
     /// Its input; missing or `null` means `{}`.
     #[serde(default)]
     input: serde_json::Value,
+    /// The step it was made in with other calls, if any (passed on to the broker).
+    #[serde(default)]
+    batch: Option<BatchHint>,
 }
 
 /// What the client gets back.
@@ -284,6 +287,7 @@ impl ToolBridge {
             call_id: call_id.clone(),
             name: req.name,
             input,
+            batch: req.batch.filter(|b| b.size > 1),
         };
         chan.send(job, &WorkerMessage::ToolCall(call));
         let c = &mut self.conns[i];

@@ -959,6 +959,10 @@ fn py_tools_gather_sends_both_calls_before_any_answer() {
     let mut ids: Vec<_> = calls.iter().map(|c| c.call_id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["call_001", "call_002"]);
+    // Both name the step they were made in, so the broker batches them.
+    let hint = calls[0].batch.clone().expect("a batch hint");
+    assert_eq!(hint.size, 2);
+    assert_eq!(calls[1].batch.as_ref(), Some(&hint));
     // Answered in the reverse order of arrival.
     for c in calls.iter().rev() {
         r.send(1, CoordinatorMessage::ToolResult(add(c).unwrap()));
@@ -1207,6 +1211,12 @@ await add({a: 1});
         "{tr:?}"
     );
     assert_eq!(tr.calls.len(), 6);
+    // Only the two calls of `Promise.all` share a step.
+    let hints: Vec<_> = tr.calls.iter().map(|c| c.batch.clone()).collect();
+    assert!(hints[0].is_none() && hints[1].is_none(), "{hints:?}");
+    assert_eq!(hints[2].as_ref().map(|h| h.size), Some(2), "{hints:?}");
+    assert_eq!(hints[2], hints[3]);
+    assert!(hints[4..].iter().all(Option::is_none), "{hints:?}");
     // An error that escapes: reported like node does, exit code 1.
     assert_eq!(resp.exit_code, Some(1));
     let err = tr.text(Stream::Stderr);
