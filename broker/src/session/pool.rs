@@ -306,11 +306,13 @@ impl Pool {
     /// Removes every pooled sandbox and its workspace, and those still being started
     /// once they are.
     pub async fn drain(&self, docker: &DockerBackend) {
-        let drained: Vec<Pooled> = {
+        let mut drained: Vec<Pooled> = {
             let mut ready = self.lock();
             self.closed.store(true, Ordering::SeqCst);
             ready.drain(..).collect()
         };
+        // Dead ones not yet removed by the refiller go too.
+        drained.append(&mut self.dead.lock().unwrap_or_else(|p| p.into_inner()));
         for pooled in drained {
             remove(docker, pooled).await;
         }
