@@ -1019,25 +1019,10 @@ async fn a_pooled_container_never_carries_another_sessions_state() {
 
 /// The id of the container labelled with `session_id`.
 fn container_of(instance: &str, session_id: &str) -> String {
-    let out = std::process::Command::new("docker")
-        .args([
-            "ps",
-            "-aq",
-            "--no-trunc",
-            "--filter",
-            &format!("label=codebroker.instance={instance}"),
-            "--filter",
-            &format!("label=codebroker.session={session_id}"),
-        ])
-        .output()
-        .expect("docker ps");
-    let ids = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert_eq!(
-        ids.lines().count(),
-        1,
-        "containers of {session_id}: {ids:?}"
-    );
-    ids
+    let label = format!("codebroker.session={session_id}");
+    let ids = common::containers_matching(instance, &[&label]);
+    assert_eq!(ids.len(), 1, "containers of {session_id}: {ids:?}");
+    ids[0].clone()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -501,13 +501,7 @@ impl Broker {
             Ok(Ok(())) => {}
             failed => {
                 tracing::warn!(session = session.id(), result = ?failed, "cannot hand a pooled sandbox to a session");
-                pooled.sandbox.close("not handed out");
-                let docker = self.docker.clone();
-                let root = pooled.workspace.root().to_path_buf();
-                tokio::spawn(async move {
-                    docker.remove(&pooled.sandbox.container_id).await;
-                    let _ = std::fs::remove_dir_all(root);
-                });
+                self.pool.discard(pooled);
                 return None;
             }
         }

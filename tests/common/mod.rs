@@ -180,14 +180,23 @@ impl TestBroker {
 }
 
 pub fn containers_of(instance: &str) -> Vec<String> {
+    containers_matching(instance, &[])
+}
+
+/// Ids of this instance's containers that also carry every label in `labels` (`k=v`).
+pub fn containers_matching(instance: &str, labels: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "ps".to_string(),
+        "-aq".into(),
+        "--no-trunc".into(),
+        "--filter".into(),
+        format!("label=codebroker.instance={instance}"),
+    ];
+    for label in labels {
+        args.extend(["--filter".to_string(), format!("label={label}")]);
+    }
     let out = Command::new("docker")
-        .args([
-            "ps",
-            "-aq",
-            "--no-trunc",
-            "--filter",
-            &format!("label=codebroker.instance={instance}"),
-        ])
+        .args(&args)
         .output()
         .expect("docker ps");
     String::from_utf8_lossy(&out.stdout)

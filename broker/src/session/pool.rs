@@ -109,9 +109,9 @@ pub struct Pool {
     cold_starts: Arc<AtomicUsize>,
     /// Wakes the refiller after a take.
     wake: Notify,
-    /// Pooled sandboxes found dead (their container exited), for the refiller to remove
-    /// with their workspace.
-    dead: Mutex<Vec<Pooled>>,
+    /// Pooled sandboxes found dead (their container exited) or handed back unused, for
+    /// the refiller to remove with their workspace.
+    discarded: Mutex<Vec<Pooled>>,
     /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
     last_take: Mutex<Option<tokio::time::Instant>>,
     /// Set when draining: a creation that finishes later removes its sandbox instead of
@@ -130,7 +130,7 @@ impl Pool {
             creating: AtomicUsize::new(0),
             cold_starts: Arc::new(AtomicUsize::new(0)),
             wake: Notify::new(),
-            dead: Mutex::new(Vec::new()),
+            discarded: Mutex::new(Vec::new()),
             last_take: Mutex::new(None),
             closed: AtomicBool::new(false),
         }
@@ -140,6 +140,16 @@ impl Pool {
     pub fn cold_start(&self) -> ColdStart {
         self.cold_starts.fetch_add(1, Ordering::SeqCst);
         ColdStart(self.cold_starts.clone())
+    }
+
+    /// Hands back a taken sandbox that could not be used; the refiller removes it.
+    pub fn discard(&self, pooled: Pooled) {
+        pooled.sandbox.close("not handed out");
+        self.discarded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(pooled);
+        self.wake.notify_one();
     }
 
     /// How many sandboxes are being started outside the pool now.
@@ -192,7 +202,7 @@ impl Pool {
                 break Some(pooled);
             }
             // A dead one goes to the refiller, which removes its container.
-            self.dead
+            self.discarded
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(pooled);
@@ -227,9 +237,10 @@ impl Pool {
                     _ = shutdown.wait_for(|s| *s) => break,
                 }
             }
-            let dead = std::mem::take(&mut *self.dead.lock().unwrap_or_else(|p| p.into_inner()));
+            let dead =
+                std::mem::take(&mut *self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
             for pooled in dead {
-                tracing::warn!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "a pooled sandbox died; removing it");
+                tracing::debug!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
                 remove(&docker, pooled).await;
             }
             let target = self.target();
@@ -286,7 +297,7 @@ impl Pool {
                         *ready = alive.into();
                         dead
                     };
-                    self.dead
+                    self.discarded
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .extend(dead);
@@ -312,7 +323,7 @@ impl Pool {
             ready.drain(..).collect()
         };
         // Dead ones not yet removed by the refiller go too.
-        drained.append(&mut self.dead.lock().unwrap_or_else(|p| p.into_inner()));
+        drained.append(&mut self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
         for pooled in drained {
             remove(docker, pooled).await;
         }
