@@ -13,6 +13,11 @@
 //! End of file on stdin: the exec in hand finishes and is answered, everything left is
 //! killed, and the runner exits 0.
 //!
+//! Unattended: started with `CODEBROKER_UNATTENDED_EXIT_MS`, a watchdog thread ends the
+//! runner (and so the container) when no frame has come for that long. A broker that
+//! stopped and kept its containers for its next start sends heartbeats no more; if it
+//! never comes back, the container does not run forever.
+//!
 //! Signals: none are handled except, as PID 1, SIGTERM and SIGINT sent from outside the
 //! container (`docker stop`), which make the runner exit 0 at once (the kernel then kills
 //! the rest of the container). The same signals sent from inside the container (user
@@ -203,10 +208,24 @@ fn main() {
         }
     }
 
+    let heard = Arc::new(Heard::new());
+    if let Some(limit) = unattended_limit() {
+        let (heard, tracker, cfg) = (heard.clone(), tracker.clone(), cfg.clone());
+        if let Err(e) = std::thread::Builder::new()
+            .name("watchdog".into())
+            .spawn(move || essential(|| watch_broker(limit, &heard, &tracker, &cfg)))
+        {
+            fatal(&format!("cannot start the watchdog: {e}"));
+        }
+    }
+
     let stdin = std::io::stdin();
     let mut input = stdin.lock();
     loop {
-        match frame::read_line(&mut input, sandbox_runner::MAX_FRAME_BYTES) {
+        let line = frame::read_line(&mut input, sandbox_runner::MAX_FRAME_BYTES);
+        // Anything a broker writes, even a bad frame, says a broker is there.
+        heard.now();
+        match line {
             Ok(Line::Frame(line)) => {
                 if !line.trim_ascii().is_empty() {
                     handle(&line, &chan, &control);
@@ -262,6 +281,68 @@ fn handle(line: &[u8], chan: &Channel, control: &Control) {
         CoordinatorMessage::Cancel => control.cancel(job),
         // Results for a job that is not running any more (it timed out, say) are dropped.
         CoordinatorMessage::ToolResult(result) => control.tool_result(job, result),
+        // Counted when read; nothing to answer.
+        CoordinatorMessage::Heartbeat => {}
+    }
+}
+
+/// When a frame last came, as milliseconds since the runner started.
+struct Heard {
+    /// The runner's start, which the milliseconds count from.
+    start: std::time::Instant,
+    /// Milliseconds since `start` at the last frame.
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Heard {
+    fn new() -> Self {
+        Heard {
+            start: std::time::Instant::now(),
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) {
+        self.last_ms
+            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long since the last frame (or the start).
+    fn silence(&self) -> std::time::Duration {
+        let last = std::time::Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+}
+
+/// The unattended limit the broker set, if any.
+fn unattended_limit() -> Option<std::time::Duration> {
+    std::env::var(sandbox_runner::UNATTENDED_EXIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&ms| ms > 0)
+        .map(std::time::Duration::from_millis)
+}
+
+/// Ends the runner once no broker has written for `limit`: whatever runs is killed (on a
+/// host; in a container the kernel does it when PID 1 exits) and the runner exits 0.
+fn watch_broker(limit: std::time::Duration, heard: &Heard, tracker: &Tracker, cfg: &Config) {
+    let tick = (limit / 4).clamp(
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_secs(1),
+    );
+    loop {
+        std::thread::sleep(tick);
+        let silence = heard.silence();
+        if silence >= limit {
+            eprintln!(
+                "sandbox-runner: no broker for {} ms, exiting",
+                silence.as_millis()
+            );
+            tracker.paused(None, |_| {
+                sweep::kill_leftovers(None, cfg.pid1, std::time::Duration::from_secs(5))
+            });
+            std::process::exit(0);
+        }
     }
 }
 

@@ -15,6 +15,12 @@ pub type JobId = u64;
 /// The job id of messages that answer no request.
 pub const UNSOLICITED: JobId = 0;
 
+/// The container environment variable that tells the runner how many milliseconds it may
+/// go without hearing from a broker before it exits (unset or 0: never). Brokers that keep
+/// containers for their next start send [`CoordinatorMessage::Heartbeat`] well within it,
+/// so a container whose broker never comes back ends itself instead of running forever.
+pub const UNATTENDED_EXIT_ENV: &str = "CODEBROKER_UNATTENDED_EXIT_MS";
+
 /// Longest frame either side accepts, in bytes. Output is capped well below this by the
 /// runner; a longer line means the peer is broken or hostile.
 pub const MAX_FRAME_BYTES: usize = 32 * 1024 * 1024;
@@ -35,6 +41,9 @@ pub enum CoordinatorMessage {
     Cancel,
     /// The answer to a [`WorkerMessage::ToolCall`] of this job's exec.
     ToolResult(ToolResult),
+    /// A broker is attached (sent under job 0, periodically); nothing answers it. See
+    /// [`UNATTENDED_EXIT_ENV`].
+    Heartbeat,
 }
 
 /// A message from the runner to the broker.
@@ -117,6 +126,25 @@ pub struct ExecRequest {
     /// JavaScript/TypeScript, a `name` command in bash). Empty: no tool functions.
     #[serde(default)]
     pub tools: Vec<ToolSpec>,
+    /// How many display events the exec may send; the rest are dropped and said so once.
+    #[serde(default = "default_max_display_events")]
+    pub max_display_events: u32,
+    /// How many bytes of display events (MIME type, name and value) the exec may send.
+    #[serde(default = "default_max_display_bytes")]
+    pub max_display_bytes: u64,
+}
+
+/// Display events per exec when the request names no budget (an older broker).
+pub const DEFAULT_MAX_DISPLAY_EVENTS: u32 = 256;
+/// Display bytes per exec when the request names no budget (an older broker).
+pub const DEFAULT_MAX_DISPLAY_BYTES: u64 = 8 * 1024 * 1024;
+
+fn default_max_display_events() -> u32 {
+    DEFAULT_MAX_DISPLAY_EVENTS
+}
+
+fn default_max_display_bytes() -> u64 {
+    DEFAULT_MAX_DISPLAY_BYTES
 }
 
 /// A tool made callable from sandboxed code.
@@ -186,6 +214,87 @@ pub struct DisplayData {
     /// The value itself when it is small text (e.g. `text/html`).
     #[serde(default)]
     pub data: Option<String>,
+}
+
+/// The display events one exec may still send. Both ends keep one: the runner so the code
+/// cannot flood the channel, the broker so it never holds more whatever the sandbox sends.
+#[derive(Debug, Clone)]
+pub struct DisplayBudget {
+    /// Events still allowed.
+    events_left: u32,
+    /// Bytes still allowed.
+    bytes_left: u64,
+    /// The event limit, for the note.
+    max_events: u32,
+    /// The byte limit, for the note.
+    max_bytes: u64,
+    /// Whether an event was dropped already (the note is said once).
+    dropped: bool,
+}
+
+/// What to do with one display event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admit {
+    /// Within the budget: send it on.
+    Keep,
+    /// The first event over the budget: drop it and tell the code's reader this note.
+    DropFirst(String),
+    /// Over the budget, already said: drop it.
+    Drop,
+}
+
+impl DisplayBudget {
+    /// A budget of `max_events` events and `max_bytes` bytes.
+    pub fn new(max_events: u32, max_bytes: u64) -> Self {
+        DisplayBudget {
+            events_left: max_events,
+            bytes_left: max_bytes,
+            max_events,
+            max_bytes,
+            dropped: false,
+        }
+    }
+
+    /// The budget an exec request names.
+    pub fn of(req: &ExecRequest) -> Self {
+        Self::new(req.max_display_events, req.max_display_bytes)
+    }
+
+    /// Counts `display` against the budget. Once one event is dropped every later one is
+    /// too, so what the reader sees is a prefix of what the code showed.
+    pub fn admit(&mut self, display: &DisplayData) -> Admit {
+        let size = (display.mime.len()
+            + display.name.as_ref().map_or(0, String::len)
+            + display.data.as_ref().map_or(0, String::len)) as u64;
+        if !self.dropped && self.events_left > 0 && size <= self.bytes_left {
+            self.events_left -= 1;
+            self.bytes_left -= size;
+            return Admit::Keep;
+        }
+        if std::mem::replace(&mut self.dropped, true) {
+            Admit::Drop
+        } else {
+            Admit::DropFirst(self.note())
+        }
+    }
+
+    /// Takes `bytes` more from the byte budget (a file the broker inlines); false, taking
+    /// nothing, when they do not fit.
+    pub fn take_bytes(&mut self, bytes: u64) -> bool {
+        if bytes > self.bytes_left {
+            return false;
+        }
+        self.bytes_left -= bytes;
+        true
+    }
+
+    /// The one line that says display events were dropped.
+    pub fn note(&self) -> String {
+        format!(
+            "Display events beyond {} or {} bytes per exec were dropped.",
+            self.max_events, self.max_bytes
+        )
+    }
 }
 
 impl Request for ExecRequest {
@@ -311,6 +420,8 @@ mod tests {
                 max_output_bytes: 64,
                 stream: false,
                 tools: vec![],
+                max_display_events: DEFAULT_MAX_DISPLAY_EVENTS,
+                max_display_bytes: DEFAULT_MAX_DISPLAY_BYTES,
             }),
         );
         let line = serde_json::to_string(&req).unwrap();
@@ -320,6 +431,39 @@ mod tests {
 
         let cancel = serde_json::to_string(&Multiplexed(3, CoordinatorMessage::Cancel)).unwrap();
         assert_eq!(cancel, r#"[3,{"type":"cancel"}]"#);
+        let beat = serde_json::to_string(&Multiplexed(0, CoordinatorMessage::Heartbeat)).unwrap();
+        assert_eq!(beat, r#"[0,{"type":"heartbeat"}]"#);
+    }
+
+    #[test]
+    fn display_budget_keeps_a_prefix_and_says_so_once() {
+        let shown = |n: usize| DisplayData {
+            mime: "text/plain".into(),
+            name: None,
+            data: Some("x".repeat(n)),
+        };
+        let mut by_count = DisplayBudget::new(2, 1 << 20);
+        assert_eq!(by_count.admit(&shown(1)), Admit::Keep);
+        assert_eq!(by_count.admit(&shown(1)), Admit::Keep);
+        assert!(matches!(by_count.admit(&shown(1)), Admit::DropFirst(n) if n.contains("beyond 2")));
+        assert_eq!(by_count.admit(&shown(1)), Admit::Drop);
+
+        let mut by_bytes = DisplayBudget::new(100, 100);
+        assert_eq!(by_bytes.admit(&shown(50)), Admit::Keep);
+        assert!(matches!(by_bytes.admit(&shown(60)), Admit::DropFirst(_)));
+        // Smaller events after a drop are dropped too: the reader sees a prefix.
+        assert_eq!(by_bytes.admit(&shown(1)), Admit::Drop);
+        assert!(!by_bytes.take_bytes(100));
+        assert!(by_bytes.take_bytes(10));
+    }
+
+    #[test]
+    fn exec_requests_without_a_display_budget_get_the_default() {
+        let req: ExecRequest =
+            serde_json::from_str(r#"{"lang":"py","code":"","timeout_ms":1,"max_output_bytes":1}"#)
+                .unwrap();
+        assert_eq!(req.max_display_events, DEFAULT_MAX_DISPLAY_EVENTS);
+        assert_eq!(req.max_display_bytes, DEFAULT_MAX_DISPLAY_BYTES);
     }
 
     #[test]

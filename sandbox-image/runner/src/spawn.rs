@@ -187,8 +187,8 @@ unsafe fn child(
     if libc::setpgid(0, 0) == -1 {
         fail(err_w, 0);
     }
-    // Move every source above the target range first, so installing one cannot clobber
-    // another source (the parent's pipe ends may well be fds 3 or 4).
+    // Move every source, and the error pipe, above the target range first, so installing
+    // one cannot clobber another (the parent's pipe ends may well be fds 3 or 4).
     let mut tmp = [-1 as RawFd; MAX_FDS];
     for (i, &(src, _)) in spec.fds.iter().enumerate() {
         tmp[i] = libc::fcntl(src, libc::F_DUPFD_CLOEXEC, 10);
@@ -196,18 +196,36 @@ unsafe fn child(
             fail(err_w, 1);
         }
     }
+    let err_high = libc::fcntl(err_w, libc::F_DUPFD_CLOEXEC, 10);
+    if err_high == -1 {
+        fail(err_w, 1);
+    }
     for (i, &(_, dst)) in spec.fds.iter().enumerate() {
         // dup2 clears close-on-exec on the target, so exactly these survive exec.
         if libc::dup2(tmp[i], dst) == -1 {
-            fail(err_w, 1);
+            fail(err_high, 1);
         }
     }
+    // Nothing else of the runner's stays open: once dumpable (below), a process of the
+    // same uid may open /proc/<child>/fd/N until exec closes the close-on-exec ones, and
+    // those are the kernel's pipes and the runner's wake pipe. The error pipe moves to
+    // the first number after the installed ones; everything above it is closed.
+    let err_w = spec
+        .fds
+        .iter()
+        .map(|&(_, dst)| dst)
+        .fold(2, RawFd::max)
+        .saturating_add(1);
+    if err_high != err_w && libc::dup3(err_high, err_w, libc::O_CLOEXEC) == -1 {
+        fail(err_high, 1);
+    }
+    close_from(err_w.saturating_add(1));
     if libc::chdir(spec.cwd.as_ptr()) == -1 {
         fail(err_w, 2);
     }
     // A better OOM victim than the runner: if PID 1 is OOM-killed, the container dies.
     // /proc/self is writable only once we are dumpable again, which exec would make us
-    // anyway; the channel fds were replaced above, so there is nothing left to expose.
+    // anyway; only the child's own descriptors and the error pipe are left to expose.
     libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
     let adj = libc::open(
         c"/proc/self/oom_score_adj".as_ptr(),
@@ -225,6 +243,25 @@ unsafe fn child(
     fail(err_w, 3)
 }
 
+/// Closes every descriptor from `first` up, in the child (async-signal-safe).
+unsafe fn close_from(first: RawFd) {
+    let first = libc::c_uint::try_from(first).unwrap_or(libc::c_uint::MAX);
+    if libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, 0) == 0 {
+        return;
+    }
+    // Kernels before 5.9 (and runtimes without close_range): one by one, up to the limit
+    // on open files.
+    let mut limit: libc::rlimit = std::mem::zeroed();
+    let max = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+        limit.rlim_cur.min(1 << 20) as libc::c_uint
+    } else {
+        1024
+    };
+    for fd in first..max {
+        libc::close(fd as RawFd);
+    }
+}
+
 /// Reports a failed setup step to the parent and exits the child.
 unsafe fn fail(err_w: RawFd, stage: u32) -> ! {
     let errno = *libc::__errno_location();
@@ -238,6 +275,44 @@ unsafe fn fail(err_w: RawFd, stage: u32) -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child gets the descriptors it is given and nothing else of the runner's, not
+    /// even what the runner opened without close-on-exec.
+    #[test]
+    fn a_child_holds_only_its_own_descriptors() {
+        let (out_r, out_w) = sys::pipe().expect("pipe");
+        // Inheritable: before, it would have reached the child.
+        let stray = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY) };
+        assert!(stray > 2);
+        let envp = [];
+        let argv = ["/bin/sh".to_string(), "-c".into(), "ls /proc/$$/fd".into()];
+        let devnull =
+            unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        let spec = Spec::new(
+            &argv,
+            OsStr::new("/bin"),
+            &envp,
+            Path::new("/"),
+            vec![(devnull, 0), (out_w.as_raw_fd(), 1), (out_w.as_raw_fd(), 2)],
+        )
+        .expect("spec");
+        let forked = fork(&spec).expect("fork");
+        let pid = forked.pid;
+        wait_exec(forked).expect("exec");
+        drop(out_w);
+        let mut listing = String::new();
+        std::fs::File::from(out_r)
+            .read_to_string(&mut listing)
+            .expect("read");
+        let mut status = 0;
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        unsafe {
+            libc::close(stray);
+            libc::close(devnull);
+        }
+        let fds: Vec<&str> = listing.split_whitespace().collect();
+        assert_eq!(fds, ["0", "1", "2"], "{listing}");
+    }
 
     #[test]
     fn resolves_against_path() {

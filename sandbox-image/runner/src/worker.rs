@@ -19,8 +19,8 @@ use crate::sys::{self, Read, Waker};
 use crate::tools::ToolBridge;
 use crate::{client, lang, scratch, stubs, sweep, Config};
 use sandbox_runner::{
-    DisplayData, ExecRequest, ExecResponse, JobId, Language, Limit, OutputChunk, RuntimeStatus,
-    Stream, ToolResult, WorkerMessage,
+    Admit, DisplayBudget, DisplayData, ExecRequest, ExecResponse, JobId, Language, Limit,
+    OutputChunk, RuntimeStatus, Stream, ToolResult, WorkerMessage,
 };
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -303,7 +303,8 @@ struct Ctl {
     deadline: Option<Instant>,
     /// Set once the exec is being stopped.
     stop: Option<Stop>,
-    /// We SIGKILLed the exec's main process ourselves (so a SIGKILL death is not an OOM).
+    /// We SIGKILLed the exec's main process ourselves (so its death is not explained as
+    /// the kernel's own).
     killed: bool,
     /// The runner's own notes for stderr (a program that could not start).
     notes: Vec<String>,
@@ -311,6 +312,9 @@ struct Ctl {
     disk_full: bool,
     /// Whether the request asked for streaming (display events are sent only then).
     stream: bool,
+    /// The display events the exec may still send: a loop of `display` calls must not
+    /// flood the channel.
+    displays: DisplayBudget,
     /// The tool socket, when the exec has tools (and it could be set up).
     tools: Option<ToolBridge>,
     /// Whether the compile cache served the program (`None`: nothing to compile).
@@ -355,6 +359,9 @@ impl Kernel {
     /// request `want`, if one came.
     fn read_events(&mut self, buf: &mut [u8], want: Option<u64>) -> Option<i32> {
         let Some(fd) = &self.events else { return None };
+        // No newline is left before what this read adds: scan only the new bytes, so a
+        // long line costs its length, not its length squared over the reads.
+        let mut from = self.events_buf.len();
         match sys::read(fd, buf) {
             Ok(Read::Data(n)) => self.events_buf.extend_from_slice(&buf[..n]),
             Ok(Read::WouldBlock) => return None,
@@ -365,8 +372,9 @@ impl Kernel {
             }
         }
         let mut done = None;
-        while let Some(i) = self.events_buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.events_buf.drain(..=i).collect();
+        while let Some(i) = self.events_buf[from..].iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.events_buf.drain(..=from + i).collect();
+            from = 0;
             if let Ok(ev) = serde_json::from_slice::<KernelEvent>(&line) {
                 if ev.event == "ready" {
                     self.ready = true;
@@ -619,6 +627,7 @@ impl Worker {
             notes: Vec::new(),
             disk_full: false,
             stream: req.stream,
+            displays: DisplayBudget::of(req),
             tools: None,
             compile_cached: None,
         };
@@ -686,12 +695,10 @@ impl Worker {
         if ctl.disk_full || workspace_full || !scratch_full.is_empty() {
             limits.push(Limit::Disk);
         }
-        // The cgroup's OOM kill counter says it exactly; without one, a SIGKILL we did not
-        // send is the best guess (a process killing itself with SIGKILL looks the same).
-        let out_of_memory = match (oom_before, oom_kills()) {
-            (Some(a), Some(b)) => b > a,
-            _ => exit == Some(Exit::Signal(libc::SIGKILL)) && !ctl.killed,
-        };
+        // Only the cgroup's OOM kill counter says it: a SIGKILL we did not send may be the
+        // code's own `kill -9`. Without a counter (gVisor shows no cgroup files) no claim is
+        // made; there the host ends the whole sandbox and the broker asks the engine.
+        let out_of_memory = matches!((oom_before, oom_kills()), (Some(a), Some(b)) if b > a);
         if out_of_memory {
             limits.push(Limit::Memory);
         }
@@ -1295,8 +1302,15 @@ impl Worker {
                             done = Some(code);
                         }
                         for display in std::mem::take(&mut k.displays) {
-                            if ctl.stream {
-                                self.chan.send(ctl.job, &WorkerMessage::Display(display));
+                            if !ctl.stream {
+                                continue;
+                            }
+                            match ctl.displays.admit(&display) {
+                                Admit::Keep => {
+                                    self.chan.send(ctl.job, &WorkerMessage::Display(display));
+                                }
+                                Admit::DropFirst(note) => ctl.notes.push(note),
+                                Admit::Drop => {}
                             }
                         }
                     }

@@ -163,6 +163,8 @@ fn req(lang: Language, code: &str) -> ExecRequest {
         max_output_bytes: 64 * 1024,
         stream: false,
         tools: vec![],
+        max_display_events: sandbox_runner::DEFAULT_MAX_DISPLAY_EVENTS,
+        max_display_bytes: sandbox_runner::DEFAULT_MAX_DISPLAY_BYTES,
     }
 }
 
@@ -193,6 +195,74 @@ fn hello_answers_with_version() {
         other => panic!("{other:?}"),
     }
     assert_eq!(r.close(), Some(0));
+}
+
+impl Runner {
+    /// Waits up to `within` for the runner to exit on its own; its exit code.
+    fn exits_within(&mut self, within: Duration) -> Option<Option<i32>> {
+        let until = Instant::now() + within;
+        while Instant::now() < until {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status.code());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+#[test]
+fn an_unattended_runner_exits_when_no_broker_writes_and_kills_what_runs() {
+    let mut r = Runner::start_with(&[(sandbox_runner::UNATTENDED_EXIT_ENV, "1500")]);
+    let t0 = Instant::now();
+    r.send(1, CoordinatorMessage::Hello(HelloRequest::default()));
+    assert!(matches!(r.recv(), (1, WorkerMessage::Hello(_))));
+    // An exec still running when the broker goes quiet does not keep the runner.
+    let mut long = req(Language::Bash, "echo $$; sleep 120");
+    long.stream = true;
+    r.send(2, CoordinatorMessage::Exec(long));
+    let pid = match r.recv() {
+        (2, WorkerMessage::Output(c)) => pids(&c.data)[0],
+        other => panic!("{other:?}"),
+    };
+    assert!(alive(pid));
+    let code = r
+        .exits_within(Duration::from_secs(20))
+        .expect("the runner did not exit within 20 s without a broker");
+    assert_eq!(code, Some(0));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1400),
+        "exited after {:?}, before its limit",
+        t0.elapsed()
+    );
+    let until = Instant::now() + Duration::from_secs(10);
+    while alive(pid) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!alive(pid), "the exec's program outlived the runner");
+}
+
+#[test]
+fn heartbeats_keep_an_unattended_runner() {
+    let mut r = Runner::start_with(&[(sandbox_runner::UNATTENDED_EXIT_ENV, "1500")]);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        r.send(0, CoordinatorMessage::Heartbeat);
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(r.child.try_wait().unwrap().is_none(), "exited while beaten");
+    }
+    // Nothing answers a heartbeat; the next request is answered as usual.
+    r.send(3, CoordinatorMessage::Hello(HelloRequest::default()));
+    assert!(matches!(r.recv(), (3, WorkerMessage::Hello(_))));
+    assert!(r.exits_within(Duration::from_secs(20)).is_some());
+}
+
+#[test]
+fn without_the_limit_a_silent_runner_stays() {
+    let mut r = Runner::start();
+    assert_eq!(r.exits_within(Duration::from_secs(3)), None);
+    r.send(1, CoordinatorMessage::Hello(HelloRequest::default()));
+    assert!(matches!(r.recv(), (1, WorkerMessage::Hello(_))));
 }
 
 #[test]
@@ -635,19 +705,9 @@ fn py_kernel_death_means_a_fresh_kernel() {
         "{}",
         resp.stderr
     );
-    // With the cgroup's OOM kill counter to ask, a SIGKILL is not mistaken for the OOM
-    // killer's; without it, a SIGKILL we did not send is taken for one.
-    let counter = [
-        "/sys/fs/cgroup/memory/memory.oom_control",
-        "/sys/fs/cgroup/memory.events",
-    ]
-    .iter()
-    .any(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains("oom_kill ")));
-    if counter {
-        assert!(resp.limits.is_empty(), "{:?}", resp.limits);
-    } else {
-        assert_eq!(resp.limits, vec![Limit::Memory]);
-    }
+    // A SIGKILL is never taken for the OOM killer's: only the cgroup's OOM kill counter
+    // says that, and without one (gVisor) no claim is made.
+    assert!(resp.limits.is_empty(), "{:?}", resp.limits);
     assert!(!alive(kernel));
     let resp = r.exec(3, req(Language::Py, "print('x' in globals())"));
     assert_eq!(resp.stdout, "False\n");
@@ -1284,6 +1344,49 @@ fn py_plt_show_sends_display_frames_when_streaming() {
     let resp = r.exec(2, req(Language::Py, "plt.plot([1]); plt.show()"));
     assert_eq!(resp.exit_code, Some(0), "{resp:?}");
     assert!(r.workdir().join("plot-3.png").exists());
+}
+
+#[test]
+fn py_display_events_beyond_the_budget_are_dropped_and_said_once() {
+    let Some(mut r) = python_runner() else { return };
+    // The kernel's own event channel, called in a loop as hostile code can.
+    let code = "import gc\n\
+                k = next(o for o in gc.get_objects() if type(o).__name__ == 'Kernel')\n\
+                for i in range(500):\n\
+                \x20   k.channel.send({'event': 'display', 'id': k.request_id, 'mime': 'text/plain', 'data': 'x' * 1000})\n\
+                print('sent')";
+    let mut rq = req(Language::Py, code);
+    rq.stream = true;
+    rq.max_display_events = 100;
+    rq.max_display_bytes = 1 << 20;
+    let (tr, resp) = r.drive(1, rq, |_| None);
+    assert_eq!(resp.exit_code, Some(0), "{resp:?}");
+    assert_eq!(tr.displays.len(), 100);
+    let stderr = tr.text(Stream::Stderr);
+    assert_eq!(
+        stderr.matches("Display events beyond 100").count(),
+        1,
+        "{stderr}"
+    );
+
+    // By bytes: 10 events of about 1000 bytes fit in 10 000.
+    let mut rq = req(Language::Py, code);
+    rq.stream = true;
+    rq.max_display_bytes = 10_000;
+    let (tr, _) = r.drive(2, rq, |_| None);
+    assert!(
+        (9..=10).contains(&tr.displays.len()),
+        "{}",
+        tr.displays.len()
+    );
+
+    // The next exec has a budget of its own, and no note.
+    let mut rq = req(Language::Py, "k.channel.send({'event': 'display', 'id': k.request_id, 'mime': 'text/plain', 'data': 'y'})");
+    rq.stream = true;
+    let (tr, resp) = r.drive(3, rq, |_| None);
+    assert_eq!(resp.exit_code, Some(0), "{resp:?}");
+    assert_eq!(tr.displays.len(), 1);
+    assert!(!tr.text(Stream::Stderr).contains("Display events"));
 }
 
 #[test]
