@@ -1,36 +1,56 @@
 #!/bin/sh
-# Entrypoint of the broker image: runs codebroker as an unprivileged user.
+# Entrypoint of the broker image: runs codebroker as a uid of its own.
 #
-# The container starts as root for two things only: the data directory (a bind mount
-# the engine may have created as root) is handed to the broker's uid, and the broker is
-# given the group that owns the Docker socket, whatever its gid is on this host. Then
-# setpriv drops root for good. The broker's uid is the sandbox uid
-# (CODEBROKER_SANDBOX_UID), so the workspaces it creates are the sandboxes' own without
-# a chown, which only root could do.
+# The container starts as root for three things only: the data directory (a bind mount
+# the engine may have created as root) is handed to the broker's uid and closed to every
+# other user, the broker is given the group that owns the Docker socket, whatever its gid
+# is on this host, and it keeps the three capabilities it needs. Then setpriv drops root
+# for good.
 #
-# CODEBROKER_RUN_AS_ROOT=true keeps root: then read-only uploads are owned by root inside
-# the sandbox instead of by the sandbox uid.
+# The broker's uid (10002) is not the sandbox uid (CODEBROKER_SANDBOX_UID, 10001): code
+# that escapes its container owns neither the data directory nor a process with the
+# Docker socket, and read-only uploads are the broker's files, which the code can read but
+# not change. To hand each workspace to the sandbox uid and to read and remove whatever the
+# code creates, the broker keeps CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_FOWNER (ambient, so
+# they survive the exec; nothing else is in its bounding set, and it clears the ambient set
+# at start so that no program it starts inherits them).
+#
+# CODEBROKER_RUN_AS_ROOT=true keeps root (with the container's capabilities).
 set -eu
 
 socket=${DOCKER_HOST:-unix:///var/run/docker.sock}
 socket=${socket#unix://}
 data=${CODEBROKER_DATA_DIR:-/var/lib/codebroker}
-uid=${CODEBROKER_SANDBOX_UID:-10001}
+sandbox=${CODEBROKER_SANDBOX_UID:-10001}
+broker=10002
 
 if [ "$(id -u)" != 0 ] || [ "${CODEBROKER_RUN_AS_ROOT:-false}" = true ]; then
   exec codebroker "$@"
 fi
+if [ "$sandbox" = "$broker" ] || [ "$sandbox" = 0 ]; then
+  echo "codebroker-entrypoint: CODEBROKER_SANDBOX_UID must be neither $broker (the broker's uid) nor 0" >&2
+  exit 1
+fi
 
 mkdir -p "$data"
-# A data directory left by a root broker is handed over whole, once.
-if [ "$(stat -c %u "$data")" != "$uid" ]; then
-  chown -R "$uid:$uid" "$data"
+# A data directory left by an older image (owned by the sandbox uid) or a root broker is
+# handed over once: everything but the inside of the workspaces, which stays the
+# sandbox's; the workspaces themselves become the broker's, group of the sandbox, sticky.
+if [ "$(stat -c %u "$data")" != "$broker" ]; then
+  find "$data" -path "$data/sessions/*/files" -prune -o -exec chown -h "$broker:$broker" {} +
+  if [ -d "$data/sessions" ]; then
+    find "$data/sessions" -mindepth 2 -maxdepth 2 -name files -type d \
+      -exec chown -h "$broker:$sandbox" {} + -exec chmod 1770 {} +
+  fi
 fi
-groups=$uid
+chmod 0700 "$data"
+groups=$broker
 if [ -S "$socket" ]; then
-  groups="$uid,$(stat -c %g "$socket")"
+  groups="$broker,$(stat -c %g "$socket")"
 else
   echo "codebroker-entrypoint: no Docker socket at $socket" >&2
 fi
-exec setpriv --reuid="$uid" --regid="$uid" --groups="$groups" \
-  --inh-caps=-all --bounding-set=-all --no-new-privs -- codebroker "$@"
+caps=-all,+chown,+dac_override,+fowner
+exec setpriv --reuid="$broker" --regid="$broker" --groups="$groups" \
+  --inh-caps="$caps" --ambient-caps="$caps" --bounding-set="$caps" --no-new-privs \
+  -- codebroker "$@"

@@ -4,6 +4,11 @@
 //! runner's frames to the job that waits for them; writers take turns on the write half.
 //! Everything read is untrusted: an oversized or unparseable frame closes the channel
 //! (and so ends the sandbox), never the broker.
+//!
+//! Each job's messages go through a small bounded queue, and the reader waits for room:
+//! a job whose consumer stops (a stream client that does not read) stops the reading of
+//! this sandbox's output, so the runner's writes block and the code with them, instead of
+//! the broker's memory growing. Other sandboxes have readers of their own.
 
 use bytes::BytesMut;
 use futures::{Stream, StreamExt};
@@ -35,12 +40,17 @@ pub enum AttachOutput {
     Stderr(bytes::Bytes),
 }
 
-type Waiters = Arc<Mutex<HashMap<JobId, mpsc::UnboundedSender<WorkerMessage>>>>;
+type Waiters = Arc<Mutex<HashMap<JobId, mpsc::Sender<WorkerMessage>>>>;
+
+/// Messages queued per job before the reader waits. Small: each may be a frame of up to
+/// `MAX_FRAME_BYTES`.
+const JOB_QUEUE: usize = 2;
 
 /// A live channel to one runner.
 pub struct RunnerChannel {
-    /// The write half of the attach stream; one frame at a time.
-    writer: tokio::sync::Mutex<Pin<Box<dyn AsyncWrite + Send>>>,
+    /// The write half of the attach stream; one frame at a time (shared with the
+    /// heartbeat task).
+    writer: Arc<tokio::sync::Mutex<Pin<Box<dyn AsyncWrite + Send>>>>,
     /// Jobs waiting for their messages, by job id.
     waiters: Waiters,
     /// Source of job ids; 0 is reserved for unsolicited messages.
@@ -51,6 +61,8 @@ pub struct RunnerChannel {
     close_tx: Arc<watch::Sender<Option<String>>>,
     /// The reader task; aborted on drop so a forgotten channel holds no connection.
     reader: tokio::task::JoinHandle<()>,
+    /// The heartbeat task, if one was started; aborted on drop with the reader.
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RunnerChannel {
@@ -70,7 +82,7 @@ impl RunnerChannel {
             close_tx.clone(),
         ));
         RunnerChannel {
-            writer: tokio::sync::Mutex::new(input),
+            writer: Arc::new(tokio::sync::Mutex::new(input)),
             waiters,
             // Jobs a runner still runs for an earlier channel (a broker that died) must not
             // be taken for this channel's: each channel numbers its jobs from a random
@@ -79,7 +91,42 @@ impl RunnerChannel {
             closed,
             close_tx,
             reader,
+            heartbeat: None,
         }
+    }
+
+    /// Sends a [`CoordinatorMessage::Heartbeat`] every `every` while the channel is open,
+    /// so that a runner started with an unattended limit knows a broker is still here.
+    pub fn with_heartbeat(mut self, every: std::time::Duration) -> Self {
+        let writer = self.writer.clone();
+        let mut closed = self.closed.clone();
+        let mut line = serde_json::to_vec(&Multiplexed(
+            sandbox_runner::UNSOLICITED,
+            CoordinatorMessage::Heartbeat,
+        ))
+        .unwrap_or_default();
+        line.push(b'\n');
+        self.heartbeat = Some(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    _ = closed.wait_for(|c| c.is_some()) => return,
+                }
+                let mut writer = writer.lock().await;
+                let written = async {
+                    writer.write_all(&line).await?;
+                    writer.flush().await
+                }
+                .await;
+                if written.is_err() {
+                    // The next request finds the channel broken and closes it.
+                    return;
+                }
+            }
+        }));
+        self
     }
 
     /// Whether the channel has closed (the runner exited, or a frame was bad).
@@ -92,16 +139,14 @@ impl RunnerChannel {
         close(&self.close_tx, &self.waiters, reason);
     }
 
-    /// Sends a request and waits for the message that ends its job.
-    pub async fn request<R>(
-        &self,
-        request: R,
-        on_event: impl FnMut(WorkerMessage),
-    ) -> Result<WorkerMessage, ChannelError>
+    /// Sends a request and waits for the message that ends its job; messages on the way
+    /// are dropped.
+    pub async fn request<R>(&self, request: R) -> Result<WorkerMessage, ChannelError>
     where
         R: Request,
     {
-        self.request_as(self.new_job(), request, on_event).await
+        self.request_as(self.new_job(), request, |_| None, None)
+            .await
     }
 
     /// A fresh job id, for a caller that must know it before the request goes out (to
@@ -110,18 +155,21 @@ impl RunnerChannel {
         self.next_job.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Sends a request as job `job` and waits for the message that ends the job. Output
-    /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`.
+    /// Sends a request as job `job` and waits for the message that ends the job.
+    /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`;
+    /// what it gives back goes on to `sink`. While the sink is full, the job's next
+    /// messages wait in the runner (see the module doc).
     pub async fn request_as<R>(
         &self,
         job: JobId,
         request: R,
-        mut on_event: impl FnMut(WorkerMessage),
+        mut on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
+        sink: Option<&mpsc::Sender<WorkerMessage>>,
     ) -> Result<WorkerMessage, ChannelError>
     where
         R: Request,
     {
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, mut rx) = mpsc::channel(JOB_QUEUE);
         self.lock_waiters().insert(job, tx);
         let _guard = WaiterGuard {
             waiters: &self.waiters,
@@ -130,24 +178,28 @@ impl RunnerChannel {
         self.send(job, request.into()).await?;
         let mut closed = self.closed.clone();
         loop {
-            tokio::select! {
-                msg = rx.recv() => match msg {
-                    Some(msg @ (WorkerMessage::Output(_) | WorkerMessage::ToolCall(_) | WorkerMessage::Display(_))) => on_event(msg),
-                    Some(WorkerMessage::Error(err)) => return Err(ChannelError::Refused(err.message)),
-                    Some(other) => return Ok(other),
-                    None => return Err(ChannelError::Closed(self.close_reason())),
-                },
-                _ = closed.wait_for(|c| c.is_some()) => {
-                    // Messages that arrived before the close still count.
-                    while let Ok(msg) = rx.try_recv() {
-                        match msg {
-                            msg @ (WorkerMessage::Output(_) | WorkerMessage::ToolCall(_) | WorkerMessage::Display(_)) => on_event(msg),
-                            WorkerMessage::Error(err) => return Err(ChannelError::Refused(err.message)),
-                            other => return Ok(other),
-                        }
+            // Picks the next message first: the close watch's guard must not live across
+            // `on_event`'s await (it is not `Send`).
+            let msg = tokio::select! {
+                msg = rx.recv() => msg,
+                // Messages that arrived before the close still count; the next turn
+                // takes the one after.
+                _ = closed.wait_for(|c| c.is_some()) => rx.try_recv().ok(),
+            };
+            match msg {
+                Some(
+                    msg @ (WorkerMessage::Output(_)
+                    | WorkerMessage::ToolCall(_)
+                    | WorkerMessage::Display(_)),
+                ) => {
+                    if let (Some(onward), Some(sink)) = (on_event(msg), sink) {
+                        // Fails at once when the consumer is gone; the exec goes on.
+                        let _ = sink.send(onward).await;
                     }
-                    return Err(ChannelError::Closed(self.close_reason()));
                 }
+                Some(WorkerMessage::Error(err)) => return Err(ChannelError::Refused(err.message)),
+                Some(other) => return Ok(other),
+                None => return Err(ChannelError::Closed(self.close_reason())),
             }
         }
     }
@@ -194,7 +246,7 @@ impl RunnerChannel {
 
     fn lock_waiters(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::UnboundedSender<WorkerMessage>>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::Sender<WorkerMessage>>> {
         lock(&self.waiters)
     }
 }
@@ -202,6 +254,9 @@ impl RunnerChannel {
 impl Drop for RunnerChannel {
     fn drop(&mut self) {
         self.reader.abort();
+        if let Some(heartbeat) = &self.heartbeat {
+            heartbeat.abort();
+        }
     }
 }
 
@@ -219,7 +274,7 @@ impl Drop for WaiterGuard<'_> {
 
 fn lock(
     waiters: &Waiters,
-) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::UnboundedSender<WorkerMessage>>> {
+) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::Sender<WorkerMessage>>> {
     // A poisoned map still holds valid senders; keep going.
     waiters.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -245,7 +300,7 @@ async fn read_frames<S>(
     S: Stream<Item = Result<AttachOutput, String>> + Send + 'static,
 {
     let mut output = std::pin::pin!(output);
-    let mut buf = BytesMut::new();
+    let mut lines = Lines::default();
     let mut stderr_logged = 0usize;
     let reason = loop {
         let Some(item) = output.next().await else {
@@ -261,8 +316,8 @@ async fn read_frames<S>(
                 }
             }
             Ok(AttachOutput::Stdout(bytes)) => {
-                buf.extend_from_slice(&bytes);
-                if let Err(reason) = dispatch_lines(&mut buf, &waiters) {
+                lines.push(&bytes);
+                if let Err(reason) = dispatch_lines(&mut lines, &waiters).await {
                     break reason;
                 }
             }
@@ -272,32 +327,82 @@ async fn read_frames<S>(
     close(&close_tx, &waiters, &reason);
 }
 
-/// Hands every complete line in `buf` to its job. Fails (closing the channel) on a frame
-/// that is too long or not a frame at all.
-fn dispatch_lines(buf: &mut BytesMut, waiters: &Waiters) -> Result<(), String> {
-    while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-        let line = buf.split_to(pos + 1);
-        let line = &line[..pos];
+/// The runner's stdout as it arrives, cut into lines. Each byte is examined once however
+/// the frame is chunked: a frame of F bytes in chunks of C costs F, not F²/C.
+#[derive(Default)]
+struct Lines {
+    /// Bytes not yet handed out as lines.
+    buf: BytesMut,
+    /// How much of `buf` is known to hold no newline.
+    scanned: usize,
+    /// Bytes examined for a newline so far, to show the scan stays linear.
+    #[cfg(test)]
+    examined: u64,
+}
+
+impl Lines {
+    fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete line, without its newline.
+    fn next_line(&mut self) -> Option<BytesMut> {
+        let rest = &self.buf[self.scanned..];
+        let found = memchr::memchr(b'\n', rest);
+        #[cfg(test)]
+        {
+            self.examined += found.map_or(rest.len(), |i| i + 1) as u64;
+        }
+        match found {
+            Some(i) => {
+                let mut line = self.buf.split_to(self.scanned + i + 1);
+                line.truncate(line.len() - 1);
+                self.scanned = 0;
+                Some(line)
+            }
+            None => {
+                self.scanned = self.buf.len();
+                None
+            }
+        }
+    }
+
+    /// Bytes of the line still incomplete.
+    fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Gives back the memory of a large frame once it is handled.
+    fn shrink(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 1 << 20 {
+            self.buf = BytesMut::new();
+        }
+    }
+}
+
+/// Hands every complete line to its job, waiting while the job's queue is full. Fails
+/// (closing the channel) on a frame that is too long or not a frame at all.
+async fn dispatch_lines(lines: &mut Lines, waiters: &Waiters) -> Result<(), String> {
+    while let Some(line) = lines.next_line() {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let Multiplexed(job, msg) = serde_json::from_slice::<Multiplexed<WorkerMessage>>(line)
+        let Multiplexed(job, msg) = serde_json::from_slice::<Multiplexed<WorkerMessage>>(&line)
             .map_err(|e| format!("bad frame from the runner: {e}"))?;
+        drop(line);
         let waiter = lock(waiters).get(&job).cloned();
         match waiter {
             Some(tx) => {
-                let _ = tx.send(msg);
+                // A job that stopped waiting dropped its receiver: the send fails at once.
+                let _ = tx.send(msg).await;
             }
             None => tracing::debug!(job, "frame for no waiting job: {msg:?}"),
         }
     }
-    if buf.len() > MAX_FRAME_BYTES {
+    if lines.pending() > MAX_FRAME_BYTES {
         return Err(format!("frame longer than {MAX_FRAME_BYTES} bytes"));
     }
-    if buf.is_empty() && buf.capacity() > 1 << 20 {
-        // Give back the memory of a large frame once it is handled.
-        *buf = BytesMut::new();
-    }
+    lines.shrink();
     Ok(())
 }
 
@@ -333,7 +438,7 @@ mod tests {
             .send(Ok(AttachOutput::Stdout(b.to_string().into())))
             .unwrap();
         let msg = chan
-            .request_as(job, HelloRequest::default(), |_| {})
+            .request_as(job, HelloRequest::default(), |_| None, None)
             .await
             .unwrap();
         assert!(matches!(msg, WorkerMessage::Hello(_)));
@@ -366,12 +471,128 @@ mod tests {
         out_tx
             .send(Ok(AttachOutput::Stdout("not json\n".into())))
             .unwrap();
-        let err = chan
-            .request(HelloRequest::default(), |_| {})
-            .await
-            .unwrap_err();
+        let err = chan.request(HelloRequest::default()).await.unwrap_err();
         assert!(matches!(err, ChannelError::Closed(_)), "{err}");
         assert!(chan.is_closed());
+    }
+
+    #[test]
+    fn a_large_frame_in_small_chunks_is_scanned_once() {
+        // A 4 MiB frame in 32 KiB chunks: scanning the whole buffer after each chunk
+        // examined about 256 MB; each byte is examined once now.
+        const FRAME: usize = 4 << 20;
+        const CHUNK: usize = 32 << 10;
+        let mut frame = vec![b'a'; FRAME - 1];
+        frame.push(b'\n');
+        let mut lines = Lines::default();
+        let mut got = Vec::new();
+        for chunk in frame.chunks(CHUNK) {
+            lines.push(chunk);
+            while let Some(line) = lines.next_line() {
+                got.push(line.len());
+            }
+        }
+        assert_eq!(got, [FRAME - 1]);
+        assert!(
+            lines.examined <= FRAME as u64,
+            "examined {} bytes for a frame of {FRAME}",
+            lines.examined
+        );
+        // Several lines in one chunk, and one split over two.
+        lines.push(b"x\nyy\nzz");
+        lines.push(b"z\n");
+        let mut rest = Vec::new();
+        while let Some(line) = lines.next_line() {
+            rest.push(String::from_utf8(line.to_vec()).unwrap());
+        }
+        assert_eq!(rest, ["x", "yy", "zzz"]);
+    }
+
+    #[tokio::test]
+    async fn a_stalled_consumer_stops_the_reading_and_a_gone_one_frees_it() {
+        // A runner that sends display frames without end, counting what is read of it
+        // (the attach stream holds one frame at a time).
+        let (out_tx, out_rx) = mpsc::channel::<Result<AttachOutput, String>>(1);
+        let output = futures::stream::unfold(out_rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        let (input, _sink) = tokio::io::duplex(1 << 16);
+        let chan = Arc::new(RunnerChannel::new("t".into(), output, Box::pin(input)));
+        let job = chan.new_job();
+        let pulled = Arc::new(AtomicU64::new(0));
+        let producer = {
+            let pulled = pulled.clone();
+            async move {
+                let msg = WorkerMessage::Display(sandbox_runner::DisplayData {
+                    mime: "text/plain".into(),
+                    name: None,
+                    data: Some("x".repeat(1000)),
+                });
+                let mut line = serde_json::to_vec(&Multiplexed(job, msg)).unwrap();
+                line.push(b'\n');
+                let line = bytes::Bytes::from(line);
+                while out_tx
+                    .send(Ok(AttachOutput::Stdout(line.clone())))
+                    .await
+                    .is_ok()
+                {
+                    pulled.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        };
+        // A consumer that takes nothing: its queue of 4 fills and stays full.
+        let (sink_tx, sink_rx) = mpsc::channel::<WorkerMessage>(4);
+        let request = {
+            let chan = chan.clone();
+            tokio::spawn(async move {
+                chan.request_as(job, HelloRequest::default(), Some, Some(&sink_tx))
+                    .await
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let producer = tokio::spawn(producer);
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let stalled = pulled.load(Ordering::SeqCst);
+        assert!(
+            stalled <= 16,
+            "{stalled} frames read for a consumer that took none"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(pulled.load(Ordering::SeqCst), stalled, "reading went on");
+        // The consumer goes away: the reading goes on, the request is not stuck.
+        drop(sink_rx);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(pulled.load(Ordering::SeqCst) > stalled + 100);
+        request.abort();
+        producer.abort();
+    }
+
+    #[tokio::test]
+    async fn heartbeats_go_out_until_the_channel_closes() {
+        use tokio::io::AsyncBufReadExt;
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
+        let (input, sink) = tokio::io::duplex(1 << 16);
+        let chan = RunnerChannel::new("t".into(), tokio_stream_from(out_rx), Box::pin(input))
+            .with_heartbeat(std::time::Duration::from_millis(20));
+        let mut lines = tokio::io::BufReader::new(sink).lines();
+        for _ in 0..3 {
+            let line = tokio::time::timeout(std::time::Duration::from_secs(5), lines.next_line())
+                .await
+                .expect("a heartbeat in time")
+                .expect("read")
+                .expect("a line");
+            assert_eq!(line, r#"[0,{"type":"heartbeat"}]"#);
+        }
+        drop(out_tx);
+        chan.close("done");
+        // Once closed, the task ends and drops its end of the writer: the sink sees EOF
+        // after whatever was in flight.
+        drop(chan);
+        let rest = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while lines.next_line().await.expect("read").is_some() {}
+        })
+        .await;
+        assert!(rest.is_ok(), "heartbeats went on after the channel closed");
     }
 
     fn tokio_stream_from(

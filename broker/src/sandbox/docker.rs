@@ -2,14 +2,18 @@
 
 use super::channel::AttachOutput;
 use super::{labels, RunnerChannel, Sandbox};
-use crate::config::Config;
+use crate::config::{Config, SeccompChoice};
 use crate::metrics::{docker_error, DockerErrors};
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
-use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, ResourcesUlimits};
+use bollard::models::{
+    ContainerCreateBody, HostConfig, HostConfigCgroupnsModeEnum, HostConfigLogConfig,
+    ResourcesUlimits,
+};
 use bollard::query_parameters::{
-    AttachContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+    AttachContainerOptionsBuilder, DownloadFromContainerOptionsBuilder, EventsOptionsBuilder,
+    InspectContainerOptions, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+    WaitContainerOptions,
 };
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
@@ -20,8 +24,23 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Where the workspace appears inside every sandbox.
 pub const WORKDIR: &str = "/mnt/data";
 
+/// The sandboxes' syscall filter unless CODEBROKER_SECCOMP names another: Docker's
+/// default profile for a container without capabilities, less io_uring and every socket
+/// family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (each rule says why).
+pub const BUILTIN_SECCOMP: &str = include_str!("seccomp.json");
+
 /// How long a new runner may take to answer its first hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long to wait for the engine to record the end of a container whose runner went
+/// away, before asking how it ended.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long an `oom` event may come in after the container's exit is recorded.
+const OOM_EVENT_WAIT: Duration = Duration::from_secs(2);
+
+/// The exit code of a container whose init was killed with SIGKILL (128 + 9).
+const EXIT_SIGKILL: i64 = 137;
 
 /// A container of ours found on the engine.
 #[derive(Debug, Clone)]
@@ -43,6 +62,13 @@ pub struct DockerBackend {
     /// Failed Engine API calls by operation, shared with the broker's metrics so that an
     /// engine in trouble shows on `/metrics`.
     pub api_errors: DockerErrors,
+    /// The Docker host's memory in bytes (`docker info`), what CODEBROKER_MAX_CONTAINERS
+    /// `auto` is made from; `None` when the engine does not say. The broker may itself
+    /// run in a container, so its own view of memory is not the host's.
+    pub host_memory: Option<u64>,
+    /// The `seccomp=` security option every sandbox gets (`None`: the daemon's default),
+    /// the profile's JSON read once at start-up.
+    seccomp: Option<String>,
 }
 
 impl DockerBackend {
@@ -54,10 +80,20 @@ impl DockerBackend {
             .negotiate_version()
             .await
             .context("cannot negotiate the Docker API version")?;
+        let host_memory = match docker.info().await {
+            Ok(info) => info.mem_total.and_then(|m| u64::try_from(m).ok()),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read the Docker host's memory");
+                None
+            }
+        };
+        let seccomp = seccomp_option(&config.seccomp)?;
         Ok(DockerBackend {
             docker,
             config,
             api_errors: DockerErrors::default(),
+            host_memory,
+            seccomp,
         })
     }
 
@@ -88,8 +124,8 @@ impl DockerBackend {
             (labels::SESSION.to_string(), session_id.to_string()),
             (labels::CREATED.to_string(), created.to_string()),
         ]);
-        let mib = 1024 * 1024;
-        let memory = (c.memory_mb * mib) as i64;
+        // Bounded at parse (at most 1 TiB), so this cannot overflow.
+        let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
         let tmpfs = HashMap::from([
             (
                 "/tmp".to_string(),
@@ -117,9 +153,16 @@ impl DockerBackend {
             binds: Some(vec![format!("{}:{WORKDIR}:rw", workspace.display())]),
             network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
             cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
-            security_opt: c
-                .drop_capabilities
-                .then(|| vec!["no-new-privileges".to_string()]),
+            // Whatever the capabilities: setuid binaries and file capabilities in the
+            // image or the workspace never raise privileges.
+            security_opt: Some(
+                std::iter::once("no-new-privileges".to_string())
+                    .chain(self.seccomp.iter().map(|json| format!("seccomp={json}")))
+                    .collect(),
+            ),
+            // Its own cgroup namespace: on cgroup v1 hosts the sandbox would otherwise
+            // read the host's cgroup paths in /proc/self/cgroup.
+            cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
             readonly_rootfs: Some(c.readonly_rootfs),
             tmpfs: Some(tmpfs),
             pids_limit: Some(c.pids_limit),
@@ -151,6 +194,13 @@ impl DockerBackend {
                 // The runner watches the workspace against these during each exec.
                 format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
                 format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
+                // A kept container whose broker never comes back ends itself after the
+                // idle TTL, as the reaper would have removed it.
+                format!(
+                    "{}={}",
+                    sandbox_runner::UNATTENDED_EXIT_ENV,
+                    unattended_exit_ms(c.idle_ttl_secs)
+                ),
             ]),
             open_stdin: Some(true),
             stdin_once: Some(false),
@@ -258,7 +308,8 @@ impl DockerBackend {
             Ok(LogOutput::StdIn { .. }) => Ok(AttachOutput::Stderr(bytes::Bytes::new())),
             Err(err) => Err(err.to_string()),
         });
-        Ok(RunnerChannel::new(short(id), output, attached.input))
+        let channel = RunnerChannel::new(short(id), output, attached.input);
+        Ok(channel.with_heartbeat(heartbeat_every(self.config.idle_ttl_secs)))
     }
 
     /// Removes a container, whatever state it is in. Failures are logged: the reconciler
@@ -279,6 +330,76 @@ impl DockerBackend {
                 self.failed("remove");
                 tracing::warn!(container = %short(id), error = %err, "cannot remove container");
             }
+        }
+    }
+
+    /// Whether the container ended because its memory cgroup ran out during an exec that
+    /// started at `since`: it has stopped, killed by SIGKILL, and the engine reported an
+    /// `oom` event for it since then. Under runc the runner survives an OOM kill and
+    /// reports it itself; under gVisor (runsc) the host kills the whole sandbox and only
+    /// the engine can tell. The event, not `State.OOMKilled`: that flag stays set for the
+    /// container's life once any process was OOM-killed, and Docker 20.10 leaves it unset
+    /// when the OOM event comes in after the exit.
+    pub async fn ended_out_of_memory(&self, id: &str, since: SystemTime) -> bool {
+        let running = |state: &Option<bollard::models::ContainerState>| {
+            state.as_ref().is_some_and(|s| s.running == Some(true))
+        };
+        // Still running (the runner's stdio broke, the container did not): no exit to
+        // wait for.
+        if let Ok(info) = self
+            .docker
+            .inspect_container(id, None::<InspectContainerOptions>)
+            .await
+        {
+            if running(&info.state) {
+                let mut exited = self.docker.wait_container(id, None::<WaitContainerOptions>);
+                // A non-zero exit is an `Err` of the wait; the inspect below reads the state.
+                let _ = tokio::time::timeout(EXIT_WAIT, exited.next()).await;
+            }
+        }
+        let state = match self
+            .docker
+            .inspect_container(id, None::<InspectContainerOptions>)
+            .await
+        {
+            Ok(info) => info.state,
+            Err(err) => {
+                self.failed("inspect");
+                tracing::warn!(container = %short(id), error = %err, "cannot inspect container");
+                return false;
+            }
+        };
+        let killed =
+            state.is_some_and(|s| s.running != Some(true) && s.exit_code == Some(EXIT_SIGKILL));
+        killed && self.oom_event_since(id, since).await
+    }
+
+    /// Whether the engine reported an `oom` event for container `id` since `since`,
+    /// waiting [`OOM_EVENT_WAIT`] for one still on its way.
+    async fn oom_event_since(&self, id: &str, since: SystemTime) -> bool {
+        // The engine takes `seconds.nanoseconds`; both clocks are the host's.
+        let stamp = |t: SystemTime| {
+            let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+            format!("{}.{:09}", d.as_secs(), d.subsec_nanos())
+        };
+        let filters = HashMap::from([
+            ("container".to_string(), vec![id.to_string()]),
+            ("event".to_string(), vec!["oom".to_string()]),
+        ]);
+        let options = EventsOptionsBuilder::new()
+            .since(&stamp(since))
+            .until(&stamp(SystemTime::now() + OOM_EVENT_WAIT))
+            .filters(&filters)
+            .build();
+        let mut events = self.docker.events(Some(options));
+        match tokio::time::timeout(OOM_EVENT_WAIT + Duration::from_secs(1), events.next()).await {
+            Ok(Some(Ok(_))) => true,
+            Ok(Some(Err(err))) => {
+                self.failed("events");
+                tracing::warn!(container = %short(id), error = %err, "cannot read engine events");
+                false
+            }
+            Ok(None) | Err(_) => false,
         }
     }
 
@@ -362,6 +483,25 @@ impl DockerBackend {
     }
 }
 
+/// The `seccomp=` option for CODEBROKER_SECCOMP: the built-in profile, a file's (read and
+/// checked to be JSON now, so a broken file stops the start rather than every sandbox),
+/// or none for the daemon's default.
+fn seccomp_option(choice: &SeccompChoice) -> anyhow::Result<Option<String>> {
+    let text = match choice {
+        SeccompChoice::Daemon => return Ok(None),
+        SeccompChoice::Builtin => BUILTIN_SECCOMP.to_string(),
+        SeccompChoice::File(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the seccomp profile {}", path.display()))?,
+    };
+    // Sent compact: the profile travels in the create request of every sandbox.
+    let profile: serde_json::Value =
+        serde_json::from_str(&text).context("the seccomp profile is not JSON")?;
+    if !profile.is_object() || profile.get("defaultAction").is_none() {
+        anyhow::bail!("the seccomp profile has no defaultAction");
+    }
+    Ok(Some(profile.to_string()))
+}
+
 /// Inodes of a scratch tmpfs of `mb` MiB: 64 per MiB (at least 4096). Without a cap a
 /// tmpfs allows about one inode per two pages of host RAM, and a million empty files cost
 /// the host kernel memory the size limit does not see.
@@ -382,6 +522,26 @@ fn fsize_bytes(c: &Config) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
+/// How long a runner may hear nothing from a broker before it exits: the idle TTL, at
+/// least [`MIN_UNATTENDED`] (a TTL of 0 removes idle containers at once; heartbeats still
+/// come). The floor is four heartbeats at the slowest rate any broker beats, so a container
+/// re-attached by a broker with another TTL is never left to time out between beats.
+fn unattended_exit_ms(idle_ttl_secs: u64) -> u64 {
+    idle_ttl_secs
+        .saturating_mul(1000)
+        .max(MIN_UNATTENDED.as_millis() as u64)
+}
+
+/// The shortest unattended limit a runner is given.
+const MIN_UNATTENDED: Duration = Duration::from_secs(20);
+
+/// How often the broker tells each runner it is there: four times within the runner's
+/// unattended limit, and at least every 5 s, so a broker restarted with a longer TTL still
+/// beats often enough for the containers it re-attaches to.
+fn heartbeat_every(idle_ttl_secs: u64) -> Duration {
+    Duration::from_millis(unattended_exit_ms(idle_ttl_secs) / 4).min(Duration::from_secs(5))
+}
+
 /// The first 12 characters of a container id, as `docker ps` shows it.
 pub fn short(id: &str) -> String {
     id.chars().take(12).collect()
@@ -391,11 +551,25 @@ pub fn short(id: &str) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn heartbeats_come_at_least_four_times_within_the_unattended_limit() {
+        for ttl in [0, 1, 5, 20, 600, 86_400] {
+            let limit = Duration::from_millis(unattended_exit_ms(ttl));
+            assert!(limit >= Duration::from_secs(ttl.max(1)), "{ttl}");
+            assert!(heartbeat_every(ttl) * 4 <= limit, "{ttl}");
+            assert!(heartbeat_every(ttl) <= Duration::from_secs(5), "{ttl}");
+            // Any broker's beat keeps any container's limit.
+            assert!(Duration::from_secs(5) * 4 <= limit, "{ttl}");
+        }
+    }
+
     fn backend(config: Config) -> DockerBackend {
         DockerBackend {
             docker: bollard::Docker::connect_with_local_defaults().expect("client"),
+            seccomp: seccomp_option(&config.seccomp).expect("seccomp profile"),
             config: Arc::new(config),
             api_errors: DockerErrors::default(),
+            host_memory: None,
         }
     }
 
@@ -406,9 +580,17 @@ mod tests {
         let host = body.host_config.expect("host config");
         assert_eq!(host.runtime, None, "the daemon's default runtime");
         assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
+        let opts = host.security_opt.expect("security options");
+        assert_eq!(opts[0], "no-new-privileges");
+        let profile: serde_json::Value = opts[1]
+            .strip_prefix("seccomp=")
+            .and_then(|json| serde_json::from_str(json).ok())
+            .expect("the built-in seccomp profile");
+        assert_eq!(profile["defaultAction"], "SCMP_ACT_ERRNO");
+        assert_eq!(opts.len(), 2);
         assert_eq!(
-            host.security_opt,
-            Some(vec!["no-new-privileges".to_string()])
+            host.cgroupns_mode,
+            Some(HostConfigCgroupnsModeEnum::PRIVATE)
         );
         assert_eq!(host.network_mode.as_deref(), Some("none"));
         assert_eq!(host.readonly_rootfs, Some(true));
@@ -423,6 +605,99 @@ mod tests {
         assert_eq!(
             body.host_config.expect("host config").runtime.as_deref(),
             Some("runsc")
+        );
+    }
+
+    #[tokio::test]
+    async fn no_new_privileges_does_not_depend_on_dropping_capabilities() {
+        let mut config = Config::for_tests("/data".into(), "t");
+        config.drop_capabilities = false;
+        config.seccomp = SeccompChoice::Daemon;
+        let body = backend(config).container_body("s", Path::new("/data/s/files"));
+        let host = body.host_config.expect("host config");
+        assert_eq!(host.cap_drop, None);
+        assert_eq!(
+            host.security_opt,
+            Some(vec!["no-new-privileges".to_string()])
+        );
+    }
+
+    #[test]
+    fn the_builtin_profile_refuses_what_sandboxed_code_never_needs() {
+        let profile: serde_json::Value =
+            serde_json::from_str(BUILTIN_SECCOMP).expect("the profile is JSON");
+        let rules = profile["syscalls"].as_array().expect("rules");
+        let allowed = |name: &str| {
+            rules.iter().any(|r| {
+                r["action"] == "SCMP_ACT_ALLOW"
+                    && r["names"]
+                        .as_array()
+                        .is_some_and(|n| n.iter().any(|x| x == name))
+            })
+        };
+        for never in [
+            "io_uring_setup",
+            "io_uring_enter",
+            "io_uring_register",
+            "userfaultfd",
+            "bpf",
+            "keyctl",
+            "add_key",
+            "request_key",
+            "perf_event_open",
+            "unshare",
+            "setns",
+            "mount",
+        ] {
+            assert!(!allowed(never), "{never} is allowed");
+        }
+        for needed in [
+            "read", "execve", "futex", "clone", "socket", "mmap", "wait4",
+        ] {
+            assert!(allowed(needed), "{needed} is refused");
+        }
+        // socket() only for AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK: every rule on it
+        // compares the family for equality with one of those.
+        let families: Vec<u64> = rules
+            .iter()
+            .filter(|r| {
+                r["names"]
+                    .as_array()
+                    .is_some_and(|n| n.iter().any(|x| x == "socket"))
+            })
+            .flat_map(|r| r["args"].as_array().cloned().unwrap_or_default())
+            .map(|a| {
+                assert_eq!(
+                    (a["index"].as_u64(), a["op"].as_str()),
+                    (Some(0), Some("SCMP_CMP_EQ"))
+                );
+                a["value"].as_u64().expect("a family")
+            })
+            .collect();
+        assert_eq!(families, [1, 2, 10, 16]);
+        // No 32-bit personalities: socketcall(2) would pass any family by pointer.
+        for arch in profile["archMap"].as_array().expect("archMap") {
+            assert_eq!(arch["subArchitectures"], serde_json::json!([]));
+        }
+    }
+
+    #[test]
+    fn a_seccomp_file_is_read_and_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good = dir.path().join("good.json");
+        std::fs::write(&good, r#"{ "defaultAction": "SCMP_ACT_ALLOW" }"#).expect("write");
+        assert_eq!(
+            seccomp_option(&SeccompChoice::File(good)).expect("read"),
+            Some(r#"{"defaultAction":"SCMP_ACT_ALLOW"}"#.to_string())
+        );
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, "not json").expect("write");
+        assert!(seccomp_option(&SeccompChoice::File(bad)).is_err());
+        let missing = dir.path().join("missing.json");
+        assert!(seccomp_option(&SeccompChoice::File(missing)).is_err());
+        assert_eq!(
+            seccomp_option(&SeccompChoice::Daemon).expect("daemon"),
+            None
         );
     }
 }

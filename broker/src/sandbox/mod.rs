@@ -58,9 +58,14 @@ impl Sandbox {
         &self,
         job: JobId,
         request: ExecRequest,
-        on_event: impl FnMut(WorkerMessage),
+        on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
+        sink: Option<&tokio::sync::mpsc::Sender<WorkerMessage>>,
     ) -> Result<ExecResponse, ChannelError> {
-        match self.channel.request_as(job, request, on_event).await? {
+        match self
+            .channel
+            .request_as(job, request, on_event, sink)
+            .await?
+        {
             WorkerMessage::ExecDone(done) => Ok(done),
             other => Err(ChannelError::Unexpected(format!("{other:?}"))),
         }
@@ -82,7 +87,7 @@ impl Sandbox {
         start_kernel: bool,
     ) -> Result<sandbox_runner::HelloResponse, ChannelError> {
         let req = sandbox_runner::HelloRequest { start_kernel };
-        match self.channel.request(req, |_| {}).await? {
+        match self.channel.request(req).await? {
             WorkerMessage::Hello(hello) => Ok(hello),
             other => Err(ChannelError::Unexpected(format!("{other:?}"))),
         }
