@@ -9,15 +9,16 @@ use crate::config::AuthMode;
 use crate::error::AppError;
 use crate::http::AppState;
 use crate::jwt::looks_like_jwt;
-use axum::body::{to_bytes, Body};
+use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-
-/// The body field LibreChat 0.8.5 sends the key in, where the header was dropped.
-const BODY_KEY_FIELD: &str = "LIBRECHAT_CODE_API_KEY";
+use bytes::BytesMut;
+use http_body_util::BodyExt;
+use serde::Deserialize;
+use std::time::Duration;
 
 /// Put in the request's extensions by [`require_auth`] when a JWT authenticated it: the
 /// token's `sub`, which the [`Caller`] extractor then takes over anything the request says.
@@ -57,7 +58,27 @@ pub async fn require_auth(
     if !config.body_api_key {
         return AppError::Unauthorized.into_response();
     }
-    // No header: the key may be in a JSON body. The body is read once and put back.
+    body_key_auth(&state, request, next).await
+}
+
+/// Bytes per permit of [`AppState::preauth_budget`](crate::http::AppState).
+pub(crate) const BUDGET_UNIT: u64 = 1024;
+
+/// What the body-key path reads of a JSON body: only the key. Every other field is
+/// skipped by serde's `IgnoredAny`, which allocates nothing, so a hostile document costs
+/// no more than its bytes.
+#[derive(Deserialize)]
+struct BodyKey {
+    /// The field LibreChat 0.8.5 sends the key in, where the header was dropped.
+    #[serde(rename = "LIBRECHAT_CODE_API_KEY", default)]
+    key: Option<String>,
+}
+
+/// No credential header: the key may be in a JSON body (LibreChat 0.8.5). The body is read
+/// once, within the pre-auth byte budget shared by all such requests, scanned for the key
+/// without building a tree, and handed on unchanged.
+async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Response {
+    let config = &state.broker.config;
     let is_json = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -66,28 +87,103 @@ pub async fn require_auth(
     if !is_json {
         return AppError::Unauthorized.into_response();
     }
+    let limit = config.max_body_mb as u64 * 1024 * 1024;
+    let budget = config.preauth_body_budget.max(BUDGET_UNIT);
+    let too_large = || {
+        AppError::PayloadTooLarge(format!(
+            "request body over {} MiB",
+            limit.min(budget) / (1024 * 1024)
+        ))
+        .into_response()
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    // Room for the whole body is taken before a byte is read: a body of unknown length
+    // takes the most it may be.
+    let reserve = declared.unwrap_or(limit).min(limit).min(budget);
+    if declared.is_some_and(|n| n > reserve) {
+        return too_large();
+    }
+    let units = u32::try_from(reserve.div_ceil(BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
+    let wait = Duration::from_secs(config.header_read_timeout_secs.max(1));
+    let permit =
+        match tokio::time::timeout(wait, state.preauth_budget.clone().acquire_many_owned(units))
+            .await
+        {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                return AppError::Unavailable(
+                    "too many requests without a credential header are being read; retry shortly"
+                        .into(),
+                )
+                .into_response()
+            }
+        };
     let (parts, body) = request.into_parts();
-    let limit = config.max_body_mb * 1024 * 1024;
-    let bytes = match to_bytes(body, limit).await {
-        Ok(b) => b,
+    let capacity = declared.unwrap_or(0).min(reserve) as usize;
+    let bytes = match tokio::time::timeout(wait, read_bounded(body, reserve, capacity)).await {
+        Ok(Ok(Some(bytes))) => bytes,
+        Ok(Ok(None)) => return too_large(),
+        Ok(Err(err)) => {
+            return AppError::BadRequest(format!("cannot read the request body: {err}"))
+                .into_response()
+        }
         Err(_) => {
-            return AppError::PayloadTooLarge(format!(
-                "request body over {} MiB",
-                config.max_body_mb
-            ))
-            .into_response()
+            return AppError::BadRequest("the request body did not arrive in time".into())
+                .into_response()
         }
     };
-    let body_key = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get(BODY_KEY_FIELD)?.as_str().map(str::to_string));
+    let body_key = key_in_body(&bytes);
     match body_key {
         Some(key) if key_matches(config.api_keys(), &key) => {
+            // Authenticated now: the budget is for reading unauthenticated bytes.
+            drop(permit);
             next.run(Request::from_parts(parts, Body::from(bytes)))
                 .await
         }
         _ => AppError::Unauthorized.into_response(),
     }
+}
+
+/// The `LIBRECHAT_CODE_API_KEY` of a JSON object, read without building a tree.
+fn key_in_body(bytes: &[u8]) -> Option<String> {
+    // Only an object carries the field (serde would also read a struct from an array).
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
+    serde_json::from_slice::<BodyKey>(bytes).ok()?.key
+}
+
+/// The whole body in one buffer, or `None` past `limit` bytes.
+async fn read_bounded(
+    mut body: Body,
+    limit: u64,
+    capacity: usize,
+) -> Result<Option<Bytes>, axum::Error> {
+    let mut buf = BytesMut::with_capacity(capacity);
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if (buf.len() + data.len()) as u64 > limit {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(Some(buf.freeze()))
+}
+
+/// Whether the request's headers carry valid credentials (or auth is off): what a public
+/// route may show more to.
+pub(crate) fn authenticated(state: &AppState, headers: &HeaderMap) -> bool {
+    state.broker.config.auth == AuthMode::None
+        || matches!(
+            header_auth(state, headers),
+            Ok(HeaderAuth::Key | HeaderAuth::Jwt(_))
+        )
 }
 
 /// Checks the credentials in the headers. A bearer token that is a JWT (and not one of
@@ -266,6 +362,21 @@ mod tests {
         assert_eq!(header_key(&h), Some("k1"));
         h.insert("x-api-key", "k2".parse().unwrap());
         assert_eq!(header_key(&h), Some("k2"));
+    }
+
+    #[test]
+    fn the_body_key_is_found_in_objects_only() {
+        let key = |b: &str| key_in_body(b.as_bytes());
+        assert_eq!(
+            key(r#" {"lang":"py","code":"1","files":[{"id":"a"}],"LIBRECHAT_CODE_API_KEY":"k1"}"#)
+                .as_deref(),
+            Some("k1")
+        );
+        assert_eq!(key(r#"{"lang":"py"}"#), None);
+        assert_eq!(key(r#"["k1"]"#), None);
+        assert_eq!(key("[0,0,0]"), None);
+        assert_eq!(key(r#"{"LIBRECHAT_CODE_API_KEY":5}"#), None);
+        assert_eq!(key("{not json"), None);
     }
 
     #[test]

@@ -47,11 +47,11 @@ pub struct Config {
     pub instance: String,
 
     /// Wall-time limit of an exec when the request names none, in milliseconds.
-    #[arg(long, env = "CODEBROKER_EXEC_TIMEOUT_MS", default_value_t = 30_000)]
+    #[arg(long, env = "CODEBROKER_EXEC_TIMEOUT_MS", default_value_t = 30_000, value_parser = millis())]
     pub exec_timeout_ms: u64,
 
     /// Upper bound on the wall-time limit a request may ask for, in milliseconds.
-    #[arg(long, env = "CODEBROKER_MAX_EXEC_TIMEOUT_MS", default_value_t = 30_000)]
+    #[arg(long, env = "CODEBROKER_MAX_EXEC_TIMEOUT_MS", default_value_t = 30_000, value_parser = millis())]
     pub max_exec_timeout_ms: u64,
 
     /// Upper bound on the wall-time limit of a programmatic run (code that calls tools,
@@ -59,21 +59,33 @@ pub struct Config {
     #[arg(
         long,
         env = "CODEBROKER_MAX_PROGRAMMATIC_TIMEOUT_MS",
-        default_value_t = 300_000
+        default_value_t = 300_000,
+        value_parser = millis()
     )]
     pub max_programmatic_timeout_ms: u64,
 
     /// Seconds a continuation token of a programmatic run stays valid; a run whose client
     /// does not come back in time is stopped.
-    #[arg(long, env = "CODEBROKER_CONTINUATION_TTL_SECS", default_value_t = 300)]
+    #[arg(long, env = "CODEBROKER_CONTINUATION_TTL_SECS", default_value_t = 300, value_parser = secs())]
     pub continuation_ttl_secs: u64,
 
     /// Cap on each of stdout and stderr of one exec, in bytes; the rest is dropped.
     #[arg(long, env = "CODEBROKER_MAX_OUTPUT_BYTES", default_value_t = 64 * 1024)]
     pub max_output_bytes: u64,
 
+    /// Display events (figures, rich values) one exec may send; the rest are dropped and
+    /// the exec's stderr says so once.
+    #[arg(long, env = "CODEBROKER_MAX_DISPLAY_EVENTS", default_value_t = 256)]
+    pub max_display_events: u32,
+
+    /// Bytes of display events one exec may send (`8MiB`, `1048576`), with the files
+    /// `/exec/stream` inlines counted on their own against the same figure; the rest are
+    /// dropped (a file is then named but not inlined).
+    #[arg(long, env = "CODEBROKER_MAX_DISPLAY_BYTES", default_value = "8MiB", value_parser = parse_size)]
+    pub max_display_bytes: u64,
+
     /// Memory limit of a sandbox, in MiB (swap is not allowed on top of it).
-    #[arg(long, env = "CODEBROKER_MEMORY_MB", default_value_t = 1024)]
+    #[arg(long, env = "CODEBROKER_MEMORY_MB", default_value_t = 1024, value_parser = mebibytes(6))]
     pub memory_mb: u64,
 
     /// CPUs a sandbox may use (fractions allowed).
@@ -122,7 +134,8 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MIN_FREE_DISK", default_value = "1GiB", value_parser = parse_size)]
     pub min_free_disk: u64,
 
-    /// Uid and gid the sandboxed code runs as; workspaces are owned by it.
+    /// Uid and gid the sandboxed code runs as, owner of what the code creates. Not the
+    /// broker's own uid: then the code could change read-only uploads.
     #[arg(long, env = "CODEBROKER_SANDBOX_UID", default_value_t = 10001)]
     pub sandbox_uid: u32,
 
@@ -134,9 +147,18 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_READONLY_ROOTFS", default_value_t = true, action = clap::ArgAction::Set)]
     pub readonly_rootfs: bool,
 
-    /// Drop every Linux capability and forbid gaining privileges in sandboxes.
+    /// Drop every Linux capability in sandboxes. Gaining privileges (setuid binaries,
+    /// file capabilities) is forbidden either way (`no-new-privileges`).
     #[arg(long, env = "CODEBROKER_DROP_CAPABILITIES", default_value_t = true, action = clap::ArgAction::Set)]
     pub drop_capabilities: bool,
+
+    /// The sandboxes' syscall filter: `builtin` (the broker's own profile: Docker's
+    /// default less io_uring and every socket family but AF_UNIX, AF_INET, AF_INET6 and
+    /// AF_NETLINK; see SECURITY.md), `daemon` (whatever the Docker daemon applies by
+    /// default, which a daemon started with `seccomp=unconfined` turns off), or the path
+    /// of a seccomp profile (JSON, Docker's format), read at start-up.
+    #[arg(long, env = "CODEBROKER_SECCOMP", default_value = "builtin")]
+    pub seccomp: SeccompChoice,
 
     /// OCI runtime of the sandbox containers (`HostConfig.Runtime`), e.g. `runsc` (gVisor) or
     /// `kata-runtime`, registered with the Docker daemon first; empty: the daemon's default
@@ -185,25 +207,70 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_FILE_TTL_SECS", default_value_t = 86_400)]
     pub file_ttl_secs: u64,
 
+    /// Most the broker keeps of one session's file versions (the copies that file ids
+    /// download from, uploads included), as for the quota (`256MiB`). A new version that
+    /// would go over it first drops versions that are no longer current, oldest first
+    /// (their ids then answer 404); if it still does not fit it is not kept, and the exec's
+    /// stderr says so in one line. An upload that does not fit gets 413. The default keeps
+    /// a session's directory on the broker's disk (workspace plus versions) well under half
+    /// of a full workspace quota. 0: no budget.
+    #[arg(long, env = "CODEBROKER_SESSION_STORAGE", default_value = "256MiB", value_parser = parse_size)]
+    pub session_storage: u64,
+
+    /// Most the broker keeps of file versions for one user, all their sessions together,
+    /// counted like CODEBROKER_SESSION_STORAGE; a session's new versions drop only its own
+    /// old ones. Sessions of callers that name no user have only the per-session budget.
+    /// 0: no budget.
+    #[arg(long, env = "CODEBROKER_USER_STORAGE", default_value = "1GiB", value_parser = parse_size)]
+    pub user_storage: u64,
+
     /// Largest uploaded file, in MiB (over it: 413).
-    #[arg(long, env = "CODEBROKER_MAX_UPLOAD_MB", default_value_t = 100)]
+    #[arg(long, env = "CODEBROKER_MAX_UPLOAD_MB", default_value_t = 100, value_parser = mebibytes(1))]
     pub max_upload_mb: u64,
 
     /// Largest request body, in MiB.
-    #[arg(long, env = "CODEBROKER_MAX_BODY_MB", default_value_t = 16)]
+    #[arg(long, env = "CODEBROKER_MAX_BODY_MB", default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BODY_MB))]
     pub max_body_mb: usize,
+
+    /// HTTP connections open at once. Over it the broker stops accepting: further clients
+    /// wait in the listen backlog, costing the broker nothing, until a connection closes.
+    /// Streams (`/exec/stream`, `/mcp`) hold one each while open.
+    #[arg(long, env = "CODEBROKER_MAX_CONNECTIONS", default_value_t = 512)]
+    pub max_connections: usize,
+
+    /// Seconds a client has to send a request's headers (and, without a credential header,
+    /// its body); an idle keep-alive connection is closed after the same time. A response
+    /// under way (a long exec, a stream) is never cut.
+    #[arg(
+        long,
+        env = "CODEBROKER_HEADER_READ_TIMEOUT_SECS",
+        default_value_t = 20
+    )]
+    pub header_read_timeout_secs: u64,
+
+    /// Request bytes the broker reads at once from callers that sent no credential header,
+    /// looking for LibreChat 0.8.5's key in the JSON body (CODEBROKER_BODY_API_KEY), as for
+    /// the quota (`32MiB`). Further such requests wait for room (up to
+    /// CODEBROKER_HEADER_READ_TIMEOUT_SECS, then 503) without being read.
+    #[arg(long, env = "CODEBROKER_PREAUTH_BODY_BUDGET", default_value = "32MiB", value_parser = parse_size)]
+    pub preauth_body_budget: u64,
+
+    /// MCP sessions open at once (0: no cap). Each is kept until its client closes it or
+    /// it has been idle for an hour; over the cap, `initialize` gets 503.
+    #[arg(long, env = "CODEBROKER_MAX_MCP_SESSIONS", default_value_t = 1024)]
+    pub max_mcp_sessions: usize,
 
     /// Most files one exec reports as generated; the rest are named in stderr.
     #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILES", default_value_t = 50)]
     pub max_output_files: usize,
 
     /// Largest generated file reported, in MiB; larger ones are named in stderr.
-    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10)]
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10, value_parser = mebibytes(0))]
     pub max_output_file_mb: u64,
 
     /// Seconds a stopping broker (SIGTERM, ctrl-c) lets running requests finish after it
     /// stops taking new ones; then it stops anyway.
-    #[arg(long, env = "CODEBROKER_SHUTDOWN_GRACE", default_value_t = 30)]
+    #[arg(long, env = "CODEBROKER_SHUTDOWN_GRACE", default_value_t = 30, value_parser = secs())]
     pub shutdown_grace: u64,
 
     /// What a stopping broker does with session containers: `keep` leaves them for the next
@@ -238,24 +305,36 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_BODY_API_KEY", default_value_t = true, action = clap::ArgAction::Set)]
     pub body_api_key: bool,
 
-    /// Execs each user may start per minute (0: no limit). Callers that name no user share
-    /// one budget. Over it: 429 with `retry_after_seconds`.
-    #[arg(long, env = "CODEBROKER_RATE_EXECS_PER_MINUTE", default_value_t = 0)]
+    /// Execs each user may start per minute, uploads that create a session included (0:
+    /// no limit). Callers that name no user share one budget. Over it: 429 with
+    /// `retry_after_seconds`. 120: a chat turn runs a few execs, each after a model
+    /// round trip, so even an agent looping on code stays well under it, while a script
+    /// flooding the broker is held to two a second.
+    #[arg(long, env = "CODEBROKER_RATE_EXECS_PER_MINUTE", default_value_t = 120)]
     pub rate_execs_per_minute: u32,
 
     /// Execs a user may start at once after a pause (0: as many as the per-minute rate).
     #[arg(long, env = "CODEBROKER_RATE_BURST", default_value_t = 0)]
     pub rate_burst: u32,
 
-    /// Sessions with a running sandbox one user may have at once (0: no limit). Over it: 429
-    /// until one of them has been idle for CODEBROKER_IDLE_TTL_SECS.
-    #[arg(long, env = "CODEBROKER_MAX_SESSIONS_PER_USER", default_value_t = 0)]
+    /// Sessions with a running sandbox one user may have at once (0: no limit); never
+    /// more than half of CODEBROKER_MAX_CONTAINERS, so one user leaves room for others.
+    /// At the cap a new one takes the place of the user's least recently used idle one
+    /// (its files stay); only when all of them are running code: 429 with
+    /// `retry_after_seconds`. 8: more chats than one person keeps going, each keeping its
+    /// Python state.
+    #[arg(long, env = "CODEBROKER_MAX_SESSIONS_PER_USER", default_value_t = 8)]
     pub max_sessions_per_user: usize,
 
-    /// Session sandboxes this broker runs at once, all users together (0: no limit; pooled
-    /// ones waiting for a session are not counted). Over it: 429.
-    #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value_t = 0)]
-    pub max_containers: usize,
+    /// Session sandboxes this broker runs at once, all users together: a number (0: no
+    /// cap), or `auto`: three quarters of the Docker host's memory divided by
+    /// CODEBROKER_MEMORY_MB (at least 2), so that all of them may fill their memory at
+    /// once and the host still has a quarter for itself. Pooled sandboxes waiting for a
+    /// session are not counted. At the cap a new one takes the place of the least
+    /// recently used idle one (its files stay); only when all are running code: 429
+    /// with `retry_after_seconds`.
+    #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value = "auto")]
+    pub max_containers: ContainerCap,
 
     /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
     /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
@@ -269,7 +348,8 @@ pub struct Config {
 
     /// `Host` header values `/mcp` accepts (`name` or `name:port`), comma-separated, against
     /// DNS rebinding; the host of CODEBROKER_PUBLIC_URL is always accepted, and `*` accepts
-    /// any. Add the name clients use (a compose service name, a proxy's host).
+    /// any. Add the name clients use (a compose service name, a proxy's host). Under
+    /// CODEBROKER_AUTH=none every route checks `Host` and a browser's `Origin` against it.
     #[arg(
         long,
         env = "CODEBROKER_MCP_ALLOWED_HOSTS",
@@ -284,9 +364,19 @@ pub struct Config {
     pub codemode: bool,
 
     /// Code mode: hosts (`name` or `name:port`) `codemode.http.fetch` may reach,
-    /// comma-separated; the broker makes the request. Empty: no HTTP at all.
+    /// comma-separated; the broker makes the request. A `name` without a port allows ports
+    /// 80 and 443 only. Names that resolve to a loopback, private, link-local or other
+    /// non-public address are refused unless that address is itself on the list (or
+    /// `CODEBROKER_CODEMODE_HTTP_ALLOW_PRIVATE` is set). Empty: no HTTP at all.
     #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_ALLOW", value_delimiter = ',')]
     pub codemode_http_allow: Vec<String>,
+
+    /// Code mode: let names on `CODEBROKER_CODEMODE_HTTP_ALLOW` reach loopback, private,
+    /// link-local and other non-public addresses (a service on the compose network). Off:
+    /// a name that resolves (or re-binds) to one is refused, so an allowed name cannot
+    /// lead the code to the host, the metadata service or the broker's network.
+    #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_ALLOW_PRIVATE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub codemode_http_allow_private: bool,
 
     /// Code mode: environment variables of the broker `codemode.env.get` may read,
     /// comma-separated.
@@ -299,6 +389,12 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_CODEMODE_MCP_SERVERS", value_delimiter = ',')]
     pub codemode_mcp_servers: Vec<String>,
 
+    /// Code mode: variables of the broker's environment a `stdio:` upstream server gets
+    /// besides `PATH`, `HOME`, `LANG`, `LC_ALL`, `TZ` and `TMPDIR`, comma-separated. The
+    /// rest (API keys, JWT settings) is not passed: the code drives these servers.
+    #[arg(long, env = "CODEBROKER_CODEMODE_MCP_ENV", value_delimiter = ',')]
+    pub codemode_mcp_env: Vec<String>,
+
     /// Code mode: largest HTTP body (request or response) `codemode.http.fetch` passes, in
     /// bytes.
     #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_MAX_BYTES", default_value_t = 1024 * 1024)]
@@ -309,12 +405,13 @@ pub struct Config {
     #[arg(
         long,
         env = "CODEBROKER_CODEMODE_CALL_TIMEOUT_MS",
-        default_value_t = 30_000
+        default_value_t = 30_000,
+        value_parser = millis()
     )]
     pub codemode_call_timeout_ms: u64,
 
     /// Code mode: wall-time limit of one `execute`, calls included, in milliseconds.
-    #[arg(long, env = "CODEBROKER_CODEMODE_TIMEOUT_MS", default_value_t = 60_000)]
+    #[arg(long, env = "CODEBROKER_CODEMODE_TIMEOUT_MS", default_value_t = 60_000, value_parser = millis())]
     pub codemode_timeout_ms: u64,
 
     /// Log format: `text` or `json`.
@@ -354,6 +451,99 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     number
         .checked_mul(1u64 << shift)
         .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Longest timeout any `*_MS` setting may hold: a day. Far above any real use, and far
+/// enough below `u64::MAX` that no deadline arithmetic can overflow.
+pub const MAX_MILLIS: u64 = 86_400_000;
+
+/// Largest size any `*_MB` setting may hold: 1 TiB, so that converting it to bytes cannot
+/// overflow (and no host has more).
+pub const MAX_MEBIBYTES: u64 = 1 << 20;
+
+/// Largest request body: bodies are buffered in memory, so 4 GiB is already absurd.
+pub const MAX_BODY_MB: u64 = 4096;
+
+/// A `*_MS` setting: 1 ms to [`MAX_MILLIS`].
+fn millis() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..=MAX_MILLIS)
+}
+
+/// A `*_SECS` setting: 0 to a day.
+fn secs() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(0..=MAX_MILLIS / 1000)
+}
+
+/// A `*_MB` setting: `min` to [`MAX_MEBIBYTES`].
+fn mebibytes(min: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(min..=MAX_MEBIBYTES)
+}
+
+/// CODEBROKER_MAX_CONTAINERS: derived from the host's memory, or a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerCap {
+    /// Three quarters of the Docker host's memory over the sandbox memory limit.
+    Auto,
+    /// This many (0: no cap).
+    Count(usize),
+}
+
+impl std::str::FromStr for ContainerCap {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("auto") {
+            return Ok(ContainerCap::Auto);
+        }
+        text.parse()
+            .map(ContainerCap::Count)
+            .map_err(|_| format!("{text:?} is neither `auto` nor a number of containers"))
+    }
+}
+
+/// The fewest containers `auto` gives: one user at work and one more.
+pub const AUTO_CONTAINERS_MIN: usize = 2;
+
+impl ContainerCap {
+    /// The cap in containers (0: none), for a Docker host with `host_memory` bytes of RAM
+    /// (`None`: unknown, which gives the minimum) and sandboxes of `memory_mb` MiB each.
+    pub fn resolve(self, host_memory: Option<u64>, memory_mb: u64) -> usize {
+        match self {
+            ContainerCap::Count(n) => n,
+            ContainerCap::Auto => {
+                let sandbox = memory_mb.max(1).saturating_mul(1 << 20);
+                let usable = host_memory.unwrap_or(0) / 4 * 3;
+                usize::try_from(usable / sandbox)
+                    .unwrap_or(usize::MAX)
+                    .max(AUTO_CONTAINERS_MIN)
+            }
+        }
+    }
+}
+
+/// CODEBROKER_SECCOMP: which syscall filter sandboxes get.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeccompChoice {
+    /// The profile compiled into the broker (`sandbox/seccomp.json`).
+    Builtin,
+    /// The Docker daemon's default (no `seccomp=` option is sent).
+    Daemon,
+    /// A profile read from this file at start-up.
+    File(PathBuf),
+}
+
+impl std::str::FromStr for SeccompChoice {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim() {
+            "" => Err("empty: use `builtin`, `daemon` or a file path".into()),
+            t if t.eq_ignore_ascii_case("builtin") => Ok(SeccompChoice::Builtin),
+            t if t.eq_ignore_ascii_case("daemon") => Ok(SeccompChoice::Daemon),
+            path => Ok(SeccompChoice::File(PathBuf::from(path))),
+        }
+    }
 }
 
 /// What happens to session containers when the broker stops.
@@ -426,6 +616,11 @@ impl Config {
         // Tests on a loaded machine may take longer than the single-use TTL between two
         // execs of one session; the tests of that rule turn it on themselves.
         config.single_use_ttl_secs = 0;
+        // Tests start many sessions and execs as one unnamed caller on purpose; the
+        // shipped caps are tested on their own (tests/hostile_caps.rs).
+        config.rate_execs_per_minute = 0;
+        config.max_sessions_per_user = 0;
+        config.max_containers = ContainerCap::Count(0);
         config
     }
 }
@@ -459,6 +654,94 @@ mod tests {
         assert!(parse_size("1 parsec").is_err());
         assert!(parse_size("GiB").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn a_fresh_install_caps_rate_sessions_and_containers() {
+        let config = Config::try_parse_from(["codebroker"]).expect("defaults parse");
+        assert_eq!(config.rate_execs_per_minute, 120);
+        assert_eq!(config.max_sessions_per_user, 8);
+        assert_eq!(config.max_containers, ContainerCap::Auto);
+        assert_eq!(config.seccomp, SeccompChoice::Builtin);
+        let gib = 1u64 << 30;
+        // 24 GiB host, 1 GiB sandboxes: 18 may fill their memory in the host's 3/4.
+        assert_eq!(ContainerCap::Auto.resolve(Some(24 * gib), 1024), 18);
+        assert_eq!(ContainerCap::Auto.resolve(Some(24 * gib), 512), 36);
+        // Small or unknown hosts still run two.
+        assert_eq!(ContainerCap::Auto.resolve(Some(gib), 1024), 2);
+        assert_eq!(ContainerCap::Auto.resolve(None, 1024), 2);
+        assert_eq!(ContainerCap::Count(0).resolve(Some(24 * gib), 1024), 0);
+        assert_eq!(ContainerCap::Count(5).resolve(None, 1024), 5);
+        let parsed = Config::try_parse_from(["codebroker", "--max-containers", "7"]);
+        assert_eq!(
+            parsed.expect("a number").max_containers,
+            ContainerCap::Count(7)
+        );
+        let parsed = Config::try_parse_from(["codebroker", "--max-containers", "AUTO"]);
+        assert_eq!(parsed.expect("auto").max_containers, ContainerCap::Auto);
+        assert!(Config::try_parse_from(["codebroker", "--max-containers", "lots"]).is_err());
+    }
+
+    #[test]
+    fn seccomp_choices() {
+        let parse =
+            |v: &str| Config::try_parse_from(["codebroker", "--seccomp", v]).map(|c| c.seccomp);
+        assert_eq!(parse("daemon").expect("daemon"), SeccompChoice::Daemon);
+        assert_eq!(parse("builtin").expect("builtin"), SeccompChoice::Builtin);
+        assert_eq!(
+            parse("/etc/codebroker/seccomp.json").expect("a path"),
+            SeccompChoice::File("/etc/codebroker/seccomp.json".into())
+        );
+        assert!(parse(" ").is_err());
+    }
+
+    /// Sizes and timeouts are bounded where they are read, so that the byte counts and
+    /// deadlines made from them cannot overflow (in release builds they would wrap).
+    #[test]
+    fn sizes_and_timeouts_are_bounded_at_parse() {
+        let huge = u64::MAX.to_string();
+        for flag in [
+            "--memory-mb",
+            "--max-upload-mb",
+            "--max-body-mb",
+            "--max-output-file-mb",
+            "--exec-timeout-ms",
+            "--max-exec-timeout-ms",
+            "--max-programmatic-timeout-ms",
+            "--codemode-timeout-ms",
+            "--codemode-call-timeout-ms",
+            "--continuation-ttl-secs",
+            "--shutdown-grace",
+        ] {
+            let err = Config::try_parse_from(["codebroker", flag, &huge]);
+            assert!(err.is_err(), "{flag} accepted u64::MAX");
+        }
+        // The largest accepted values convert without overflow.
+        let config = Config::try_parse_from([
+            "codebroker",
+            "--memory-mb",
+            &MAX_MEBIBYTES.to_string(),
+            "--max-upload-mb",
+            &MAX_MEBIBYTES.to_string(),
+            "--max-body-mb",
+            &MAX_BODY_MB.to_string(),
+            "--max-output-file-mb",
+            &MAX_MEBIBYTES.to_string(),
+            "--max-exec-timeout-ms",
+            &MAX_MILLIS.to_string(),
+        ])
+        .expect("the maxima parse");
+        assert!(i64::try_from(config.memory_mb * 1024 * 1024).is_ok());
+        assert!(config.max_upload_mb.checked_mul(1024 * 1024).is_some());
+        assert!(config.max_body_mb.checked_mul(1024 * 1024).is_some());
+        assert!(config.max_output_file_mb.checked_mul(1024 * 1024).is_some());
+        let deadline = std::time::Duration::from_millis(config.max_exec_timeout_ms);
+        assert!(tokio::time::Instant::now().checked_add(deadline).is_some());
+        assert!(std::time::Instant::now().checked_add(deadline).is_some());
+        // Below Docker's smallest memory limit, and a zero timeout, are refused too.
+        assert!(Config::try_parse_from(["codebroker", "--memory-mb", "1"]).is_err());
+        assert!(Config::try_parse_from(["codebroker", "--exec-timeout-ms", "0"]).is_err());
+        assert!(Config::try_parse_from(["codebroker", "--max-body-mb", "0"]).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Ed25519 key, RS256 for an RSA key; `none` and everything else never), its signature
 //! verifies with a configured key (the one its `kid` names, when it names one), `iss` and
 //! `aud` are the configured ones, `exp` and `nbf` hold now, `sub` names the user, and it
-//! lives at most [`MAX_LIFETIME_SECS`].
+//! is used at most [`MAX_LIFETIME_SECS`] after it was issued.
 
 use crate::config::Config;
 use anyhow::{bail, Context};
@@ -13,12 +13,14 @@ use jsonwebtoken::{decode, decode_header, Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Longest lifetime a token may have (`exp - iat`, or `exp - now` without `iat`). LibreChat
-/// mints short-lived tokens; a long-lived one is a leaked or forged one.
+/// Longest a token is accepted: `exp - iat` may not exceed it, and no token is accepted
+/// later than this after its `iat` (the leeway on `exp` included); without `iat`, from
+/// now until `exp` plus the leeway may not exceed it. LibreChat mints short-lived tokens;
+/// a long-lived one is a leaked or forged one.
 pub const MAX_LIFETIME_SECS: u64 = 300;
 
-/// Clock skew tolerated between LibreChat and the broker, on `exp`, `nbf` and the
-/// `exp - now` bound.
+/// Clock skew tolerated between LibreChat and the broker, on `exp`, `nbf` and `iat`; it
+/// never extends a token past [`MAX_LIFETIME_SECS`] after its `iat`.
 pub const LEEWAY_SECS: u64 = 30;
 
 /// One trusted public key.
@@ -145,21 +147,36 @@ fn check_claims(claims: Claims, now: u64) -> Result<Verified, String> {
     if user.is_empty() {
         return Err("empty sub".into());
     }
-    if let Some(iat) = claims.iat {
-        let lifetime = claims.exp.saturating_sub(iat);
-        if lifetime > MAX_LIFETIME_SECS {
-            return Err(format!(
-                "lifetime {lifetime} s is over {MAX_LIFETIME_SECS} s"
-            ));
+    match claims.iat {
+        Some(iat) => {
+            let lifetime = claims.exp.saturating_sub(iat);
+            if lifetime > MAX_LIFETIME_SECS {
+                return Err(format!(
+                    "lifetime {lifetime} s is over {MAX_LIFETIME_SECS} s"
+                ));
+            }
+            if iat > now + LEEWAY_SECS {
+                return Err(format!("issued {} s in the future", iat - now));
+            }
+            // The leeway on `exp` is for clock skew, not for more life: a token is never
+            // accepted more than the bound after it was issued.
+            if now > iat + MAX_LIFETIME_SECS {
+                return Err(format!(
+                    "issued {} s ago, over {MAX_LIFETIME_SECS} s",
+                    now - iat
+                ));
+            }
         }
-    }
-    // Also without `iat` (and with an `iat` in the future), the token may not outlive
-    // the bound from now on.
-    if claims.exp > now + MAX_LIFETIME_SECS + LEEWAY_SECS {
-        return Err(format!(
-            "expires {} s from now, over {MAX_LIFETIME_SECS} s",
-            claims.exp - now
-        ));
+        // Without `iat`, the window from now to `exp` plus its leeway is the bound.
+        None => {
+            if claims.exp + LEEWAY_SECS > now + MAX_LIFETIME_SECS {
+                return Err(format!(
+                    "expires {} s from now, over {} s without iat",
+                    claims.exp.saturating_sub(now),
+                    MAX_LIFETIME_SECS - LEEWAY_SECS
+                ));
+            }
+        }
     }
     Ok(Verified {
         user: user.to_string(),
@@ -439,6 +456,36 @@ mod tests {
         let mut c = claims("u");
         c["iat"] = json!(now);
         c["exp"] = json!(now + 300);
+        assert!(keys.verify(&ed(&c)).is_ok());
+    }
+
+    #[test]
+    fn never_accepted_more_than_300_seconds_after_issue() {
+        let keys = trusted();
+        let now = now();
+        // Within the leeway of `exp`, but issued 320 s ago.
+        let mut c = claims("u");
+        c["iat"] = json!(now - 320);
+        c["nbf"] = json!(now - 320);
+        c["exp"] = json!(now - 20);
+        let err = keys.verify(&ed(&c)).expect_err("issued 320 s ago");
+        assert!(err.contains("ago"), "{err}");
+        // Issued 280 s ago: fine.
+        c["iat"] = json!(now - 280);
+        c["nbf"] = json!(now - 280);
+        c["exp"] = json!(now + 20);
+        assert!(keys.verify(&ed(&c)).is_ok());
+        // Issued in the future beyond the clock skew.
+        c["iat"] = json!(now + 60);
+        c["nbf"] = json!(now);
+        c["exp"] = json!(now + 120);
+        assert!(keys.verify(&ed(&c)).is_err());
+        // Without iat: at most 270 s to exp, so exp + leeway stays within 300 s.
+        let mut c = claims("u");
+        remove(&mut c, "iat");
+        c["exp"] = json!(now + 280);
+        assert!(keys.verify(&ed(&c)).is_err());
+        c["exp"] = json!(now + 260);
         assert!(keys.verify(&ed(&c)).is_ok());
     }
 

@@ -12,12 +12,14 @@ pub mod config;
 mod diskspace;
 pub mod error;
 pub mod http;
+pub mod identity;
 pub mod ids;
 pub mod jwt;
 pub mod mcp;
 pub mod metrics;
 pub mod ratelimit;
 pub mod sandbox;
+mod server;
 pub mod session;
 pub mod smoke;
 pub mod storage;
@@ -27,7 +29,7 @@ use crate::broker::Broker;
 use crate::config::Config;
 use crate::sandbox::DockerBackend;
 use anyhow::Context;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -37,9 +39,25 @@ use tokio::net::TcpListener;
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
     let jwt = jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
+    if identity::check(config.sandbox_uid)? == identity::Identity::SameAsSandbox {
+        tracing::warn!(
+            uid = config.sandbox_uid,
+            "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
+             run it as another uid (the broker image does)"
+        );
+    }
     let mut config = config;
-    std::fs::create_dir_all(config.data_dir.join("sessions"))
-        .with_context(|| format!("cannot create {}", config.data_dir.display()))?;
+    // Only the broker reads its data: sessions/ and staging/ are 0700 from the start.
+    for dir in ["sessions", "staging"] {
+        let dir = config.data_dir.join(dir);
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
     // Bind mounts are resolved by the engine, which needs an absolute path.
     config.data_dir = config
         .data_dir
@@ -80,15 +98,12 @@ pub async fn run(
     let stopping = state.shutdown.clone();
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
-    // Streamed output goes out in many small writes: without TCP_NODELAY, Nagle's algorithm
-    // holds each one until the client's delayed ACK, about 40 ms.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(err) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
-        }
-    });
+    let limits = server::ServeLimits {
+        max_connections: broker.config.max_connections,
+        header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
+    };
     let signalled = stop_tx.clone();
-    let served = axum::serve(listener, app).with_graceful_shutdown(async move {
+    let served = server::serve(listener, app, limits, async move {
         shutdown.await;
         tracing::info!("stopping: no new connections; waiting for the requests under way");
         // The pool stops refilling at once: containers started now would only be removed.
@@ -98,7 +113,7 @@ pub async fn run(
     let grace = Duration::from_secs(broker.config.shutdown_grace);
     let mut grace_over = stop_rx.clone();
     let served = tokio::select! {
-        served = served.into_future() => served.context("server failed"),
+        served = served => served.context("server failed"),
         _ = async {
             let _ = grace_over.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;

@@ -20,6 +20,10 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(config: codebroker::config::Config) -> anyhow::Result<()> {
+    // Whatever the broker creates is its own alone unless it says otherwise (the data
+    // directory's files are created with explicit modes too).
+    // SAFETY: umask only changes this process's file creation mask.
+    unsafe { libc::umask(0o077) };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if config.log_format == "json" {
         tracing_subscriber::fmt()

@@ -1,9 +1,16 @@
 //! Rate limits and capacity, each a setting and each off at 0: a per-user exec rate (a
 //! token bucket), a per-user cap on live sessions (sessions with a running container) and
-//! a cap on session containers for the whole broker. Going over any of them is a 429
-//! `rate_limited` with `retry_after_seconds` (API.md).
+//! a cap on session containers for the whole broker, derived by default from the Docker
+//! host's memory. Going over any of them is a 429 `rate_limited` with
+//! `retry_after_seconds` (API.md). Before a cap refuses, the broker removes the least
+//! recently used idle container in the way (`session::evict`), so only running code
+//! holds a place.
 //!
-//! Callers that name no user (an API key alone, or auth off) share one budget.
+//! Callers that name no user (an API key alone, or auth off) share one budget: such a
+//! caller is one front end acting for everyone behind it (LobeChat, an MCP client, the
+//! playground), and nothing in its requests tells its users apart. Per-key budgets would
+//! not either, as all those users share the key; a front end that names its users
+//! (`User-Id`, a JWT) gets a budget per user.
 
 use crate::config::Config;
 use crate::error::{AppError, AppResult};
@@ -17,10 +24,6 @@ use tokio::time::Instant;
 /// whole budget back) are forgotten, so the map does not grow with every user ever seen.
 const PRUNE_ABOVE: usize = 4096;
 
-/// Added to a capacity 429's wait for the reaper's own work (its rounds start one interval
-/// after the previous round ended), so that waiting the time told is enough.
-const REAP_SLACK_SECS: u64 = 1;
-
 /// Who a budget or a cap is for: the user, or `None` for callers that name none.
 type UserKey = Option<String>;
 
@@ -28,14 +31,14 @@ type UserKey = Option<String>;
 pub struct Limits {
     /// The per-user exec rate; `None` when `CODEBROKER_RATE_EXECS_PER_MINUTE` is 0.
     exec_rate: Option<TokenBuckets>,
-    /// Most live sessions one user may have (0: no cap).
+    /// Most live sessions one user may have (0: no cap): the setting, and never more
+    /// than half of `max_total`.
     max_per_user: usize,
-    /// Most session containers in all (0: no cap).
+    /// Most session containers in all (0: no cap), CODEBROKER_MAX_CONTAINERS resolved.
     max_total: usize,
-    /// How long after its last use a container is gone at the latest (idle TTL, one reaper
-    /// round and [`REAP_SLACK_SECS`]), in ms: what a capacity 429's `retry_after_seconds`
-    /// is made from.
-    release_after_ms: u64,
+    /// How long an exec may run at most, in ms: a busy container frees its place by then,
+    /// which is what a capacity 429's `retry_after_seconds` is made from.
+    busy_for_ms: u64,
     /// Container starts admitted but not yet live, so that starts racing each other cannot
     /// all pass a cap that only one of them fits under.
     starting: Mutex<Starting>,
@@ -55,9 +58,11 @@ struct Starting {
 pub struct LiveSession {
     /// Its owner.
     pub user: UserKey,
-    /// Milliseconds since the epoch of its last use (the reaper removes the container an
-    /// idle TTL after it).
+    /// Milliseconds since the epoch of its last use (an exec touches it as it starts).
     pub last_used_ms: u64,
+    /// Whether code runs in it (or waits to): only those hold a place a new session
+    /// cannot take, since idle ones are removed to make room.
+    pub busy: bool,
 }
 
 /// The right to start (or hand out) one session container. Hold it until the container
@@ -87,8 +92,9 @@ impl Drop for ContainerSlot<'_> {
 }
 
 impl Limits {
-    /// The limits the configuration asks for.
-    pub fn from_config(config: &Config) -> Limits {
+    /// The limits the configuration asks for, on a Docker host with `host_memory` bytes
+    /// of RAM (`None`: unknown).
+    pub fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
         let exec_rate = (config.rate_execs_per_minute > 0).then(|| {
             let burst = if config.rate_burst > 0 {
                 config.rate_burst
@@ -97,17 +103,29 @@ impl Limits {
             };
             TokenBuckets::new(config.rate_execs_per_minute, burst)
         });
+        let max_total = config.max_containers.resolve(host_memory, config.memory_mb);
+        let max_per_user = match (config.max_sessions_per_user, max_total) {
+            (0, _) => 0,
+            (n, 0) => n,
+            (n, total) => n.min(total.div_ceil(2)),
+        };
         Limits {
             exec_rate,
-            max_per_user: config.max_sessions_per_user,
-            max_total: config.max_containers,
-            release_after_ms: config
-                .idle_ttl_secs
-                .saturating_add(config.reap_interval_secs.max(1))
-                .saturating_add(REAP_SLACK_SECS)
-                .saturating_mul(1000),
+            max_per_user,
+            max_total,
+            busy_for_ms: config.max_exec_timeout_ms,
             starting: Mutex::new(Starting::default()),
         }
+    }
+
+    /// Most session containers in all (0: no cap).
+    pub fn max_containers(&self) -> usize {
+        self.max_total
+    }
+
+    /// Most live sessions per user (0: no cap).
+    pub fn max_sessions_per_user(&self) -> usize {
+        self.max_per_user
     }
 
     /// Takes one exec from `user`'s budget, or says when the next one is allowed.
@@ -147,6 +165,7 @@ impl Limits {
             .map(|s| LiveSession {
                 user: s.meta.user.clone(),
                 last_used_ms: s.last_used_ms(),
+                busy: s.is_busy(),
             })
             .collect();
         self.admit(&mut starting, &live, user, now_ms())?;
@@ -193,12 +212,18 @@ impl Limits {
         Ok(())
     }
 
-    /// Seconds until the first of `live` is idle long enough to be reaped; at least 1.
+    /// Seconds until the first of `live` frees its place: a busy one when its exec has
+    /// run the longest an exec may, an idle one (the eviction lost a race to a new exec)
+    /// at once; at least 1.
     fn retry_after<'a>(&self, live: impl Iterator<Item = &'a LiveSession>, now_ms: u64) -> u64 {
         live.map(|s| {
-            s.last_used_ms
-                .saturating_add(self.release_after_ms)
-                .saturating_sub(now_ms)
+            if s.busy {
+                s.last_used_ms
+                    .saturating_add(self.busy_for_ms)
+                    .saturating_sub(now_ms)
+            } else {
+                0
+            }
         })
         .min()
         .map_or(1, |ms| ms.div_ceil(1000).max(1))
@@ -275,12 +300,13 @@ impl TokenBuckets {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ContainerCap;
     use std::time::Duration;
 
     fn limits(adjust: impl FnOnce(&mut Config)) -> Limits {
         let mut config = Config::for_tests("/tmp".into(), "limits-test");
         adjust(&mut config);
-        Limits::from_config(&config)
+        Limits::from_config(&config, None)
     }
 
     fn retry_after(err: AppError) -> u64 {
@@ -372,28 +398,28 @@ mod tests {
         );
     }
 
-    fn live(user: &str, last_used_ms: u64) -> LiveSession {
+    fn live(user: &str, last_used_ms: u64, busy: bool) -> LiveSession {
         LiveSession {
             user: Some(user.into()),
             last_used_ms,
+            busy,
         }
     }
 
     #[test]
     fn global_container_cap() {
         let limits = limits(|c| {
-            c.max_containers = 2;
-            c.idle_ttl_secs = 60;
-            c.reap_interval_secs = 10;
+            c.max_containers = ContainerCap::Count(2);
+            c.max_exec_timeout_ms = 30_000;
         });
         let now = 1_000_000;
         let mut starting = Starting::default();
-        let running = [live("a", now - 20_000), live("b", now - 50_000)];
+        let running = [live("a", now - 20_000, true), live("b", now - 5_000, true)];
         let err = limits
             .admit(&mut starting, &running, Some("c"), now)
             .expect_err("full");
-        // b's container goes first: idle 50 s of 60, plus a reaper round and the slack.
-        assert_eq!(retry_after(err), 21);
+        // a's exec started 20 s ago: it ends within the 30 s an exec may run.
+        assert_eq!(retry_after(err), 10);
         assert!(limits
             .admit(&mut starting, &running[..1], Some("c"), now)
             .is_ok());
@@ -401,30 +427,36 @@ mod tests {
         assert!(limits
             .admit(&mut starting, &running[..1], Some("d"), now)
             .is_err());
+        // An idle one still counted (it was used again before it could be removed):
+        // retry at once.
+        let idle = [live("a", now - 20_000, true), live("b", now, false)];
+        let err = limits
+            .admit(&mut Starting::default(), &idle, Some("c"), now)
+            .expect_err("full");
+        assert_eq!(retry_after(err), 1);
     }
 
     #[test]
     fn per_user_session_cap() {
         let limits = limits(|c| {
             c.max_sessions_per_user = 1;
-            c.idle_ttl_secs = 5;
-            c.reap_interval_secs = 1;
+            c.max_exec_timeout_ms = 5_000;
         });
         let now = 1_000_000;
         let mut starting = Starting::default();
-        let running = [live("a", now)];
+        let running = [live("a", now, true)];
         let err = limits
             .admit(&mut starting, &running, Some("a"), now)
             .expect_err("a has one");
-        assert_eq!(retry_after(err), 7);
+        assert_eq!(retry_after(err), 5);
         assert!(limits
             .admit(&mut starting, &running, Some("b"), now)
             .is_ok());
         assert!(limits
             .admit(&mut starting, &running, Some("b"), now)
             .is_err());
-        // Long past its idle TTL (the reaper is late): retry soon, not never.
-        let stale = [live("a", 0)];
+        // Long past the longest exec (a client that hangs on): retry soon, not never.
+        let stale = [live("a", 0, true)];
         let err = limits
             .admit(&mut Starting::default(), &stale, Some("a"), now)
             .expect_err("still counted");
@@ -432,10 +464,34 @@ mod tests {
     }
 
     #[test]
+    fn one_user_gets_at_most_half_the_containers() {
+        let capped = |per_user, total| {
+            limits(|c| {
+                c.max_sessions_per_user = per_user;
+                c.max_containers = ContainerCap::Count(total);
+            })
+            .max_sessions_per_user()
+        };
+        assert_eq!(capped(8, 17), 8);
+        assert_eq!(capped(8, 6), 3);
+        assert_eq!(capped(8, 3), 2);
+        assert_eq!(capped(8, 1), 1);
+        assert_eq!(capped(8, 0), 8);
+        assert_eq!(capped(0, 6), 0);
+        // auto on an unknown host: its minimum of two, one each.
+        let auto = limits(|c| {
+            c.max_sessions_per_user = 8;
+            c.max_containers = ContainerCap::Auto;
+        });
+        assert_eq!(auto.max_containers(), crate::config::AUTO_CONTAINERS_MIN);
+        assert_eq!(auto.max_sessions_per_user(), 1);
+    }
+
+    #[test]
     fn slots_hold_a_place_until_dropped() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let registry = Registry::new(tmp.path());
-        let limits = limits(|c| c.max_containers = 1);
+        let limits = limits(|c| c.max_containers = ContainerCap::Count(1));
         let slot = limits.container_slot(&registry, Some("a")).expect("free");
         assert!(limits.container_slot(&registry, Some("b")).is_err());
         drop(slot);

@@ -278,20 +278,34 @@ fn stream_event(name: &str, data: Value, ndjson: bool) -> Result<Bytes, std::con
 /// Largest image a `display` event carries inline.
 const MAX_INLINE_DISPLAY_BYTES: u64 = 5 * 1024 * 1024;
 
-/// A `display` event: what the code showed, with the image inline when it is small.
-fn display_json(workspace: &crate::workspace::Workspace, display: DisplayData) -> Value {
+/// Streams events of one exec wait in the channel to the response body; a client that
+/// stops reading holds the exec back once these are queued.
+const STREAM_QUEUE: usize = 8;
+
+/// A `display` event: what the code showed, with the image inline when it is small and
+/// fits in `inline_left`, the bytes of files the exec may still inline (a loop showing
+/// one large file must not turn each small event into megabytes read and sent). Returns
+/// the event and what is left.
+fn display_json(
+    workspace: &crate::workspace::Workspace,
+    display: DisplayData,
+    inline_left: u64,
+) -> (Value, u64) {
     let mut out = json!({ "mime": display.mime });
+    let mut left = inline_left;
     if let Some(name) = &display.name {
         out["name"] = json!(name);
         out["path"] = json!(format!("/mnt/data/{name}"));
+        let cap = MAX_INLINE_DISPLAY_BYTES.min(inline_left);
         if let Ok((file, size)) = workspace.open_file(name) {
             let mut bytes = Vec::new();
             // The code may still be appending to it: never read past the cap.
-            let mut capped = std::io::Read::take(file, MAX_INLINE_DISPLAY_BYTES + 1);
-            if size <= MAX_INLINE_DISPLAY_BYTES
+            let mut capped = std::io::Read::take(file, cap + 1);
+            if size <= cap
                 && std::io::Read::read_to_end(&mut capped, &mut bytes).is_ok()
-                && bytes.len() as u64 <= MAX_INLINE_DISPLAY_BYTES
+                && bytes.len() as u64 <= cap
             {
+                left -= bytes.len() as u64;
                 use base64::Engine as _;
                 out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
             }
@@ -299,7 +313,7 @@ fn display_json(workspace: &crate::workspace::Workspace, display: DisplayData) -
     } else if let Some(data) = display.data {
         out["data"] = json!(data);
     }
-    out
+    (out, left)
 }
 
 /// `POST /exec/stream`: the `/exec` request answered as `text/event-stream` (or NDJSON
@@ -335,7 +349,8 @@ async fn exec_stream(
     let broker = state.broker.clone();
     let session = broker.choose_session(&choice, &input.files).await?;
     let workspace = session.workspace.clone();
-    let (tx, rx) = mpsc::unbounded_channel();
+    let inline_left = state.broker.config.max_display_bytes;
+    let (tx, rx) = mpsc::channel(STREAM_QUEUE);
     let cancel = CancellationToken::new();
     let hooks = ExecHooks {
         events: Some(tx),
@@ -345,9 +360,11 @@ async fn exec_stream(
     let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
 
     struct State {
-        rx: mpsc::UnboundedReceiver<WorkerMessage>,
+        rx: mpsc::Receiver<WorkerMessage>,
         task: Option<tokio::task::JoinHandle<AppResult<ExecOutput>>>,
         workspace: crate::workspace::Workspace,
+        /// Bytes of files the displays of this exec may still inline.
+        inline_left: u64,
         /// Dropped with the body: a client that goes away cancels the exec.
         _cancel_on_drop: tokio_util::sync::DropGuard,
     }
@@ -355,6 +372,7 @@ async fn exec_stream(
         rx,
         task: Some(task),
         workspace,
+        inline_left,
         _cancel_on_drop: cancel.drop_guard(),
     };
     let stream = futures::stream::unfold(state, move |mut st| async move {
@@ -369,9 +387,12 @@ async fn exec_stream(
                 }
                 WorkerMessage::Display(display) => {
                     let ws = st.workspace.clone();
-                    let data = tokio::task::spawn_blocking(move || display_json(&ws, display))
-                        .await
-                        .unwrap_or(Value::Null);
+                    let left = st.inline_left;
+                    let (data, left) =
+                        tokio::task::spawn_blocking(move || display_json(&ws, display, left))
+                            .await
+                            .unwrap_or((Value::Null, left));
+                    st.inline_left = left;
                     stream_event("display", data, ndjson)
                 }
                 _ => stream_event("ignored", Value::Null, ndjson),

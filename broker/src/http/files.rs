@@ -25,6 +25,13 @@ use tokio::io::AsyncWriteExt;
 /// Most files one upload request may carry.
 const MAX_FILES_PER_UPLOAD: usize = 100;
 
+/// Largest non-file form field (`session_id`, `entity_id`, `kind`, ...): they hold ids and
+/// short words, and are kept in memory.
+const MAX_TEXT_FIELD_BYTES: usize = 8 * 1024;
+
+/// Most non-file form fields one upload may carry.
+const MAX_TEXT_FIELDS: usize = 64;
+
 /// Bytes read per chunk of a download.
 const DOWNLOAD_CHUNK: usize = 256 * 1024;
 
@@ -136,6 +143,7 @@ async fn read_form(
         .await
         .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
     let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+    let mut text_fields = 0usize;
     while let Some(mut field) = multipart
         .next_field()
         .await
@@ -143,10 +151,13 @@ async fn read_form(
     {
         let field_name = field.name().unwrap_or("").to_string();
         let Some(file_name) = field.file_name().map(str::to_string) else {
-            let text = field
-                .text()
-                .await
-                .map_err(|e| AppError::BadRequest(format!("malformed form field: {e}")))?;
+            text_fields += 1;
+            if text_fields > MAX_TEXT_FIELDS {
+                return Err(AppError::BadRequest(format!(
+                    "at most {MAX_TEXT_FIELDS} form fields besides files per upload"
+                )));
+            }
+            let text = read_text_field(&mut field, &field_name).await?;
             form.fields.insert(field_name, text);
             continue;
         };
@@ -210,6 +221,30 @@ async fn read_form(
         });
     }
     Ok((form, guard))
+}
+
+/// A non-file form field as text, read chunk by chunk and refused (413) past
+/// [`MAX_TEXT_FIELD_BYTES`] without reading the rest.
+async fn read_text_field(
+    field: &mut axum::extract::multipart::Field<'_>,
+    name: &str,
+) -> AppResult<String> {
+    let mut bytes = Vec::new();
+    while let Some(chunk) = field
+        .chunk()
+        .await
+        .map_err(|e| AppError::BadRequest(format!("malformed form field {name:?}: {e}")))?
+    {
+        if bytes.len() + chunk.len() > MAX_TEXT_FIELD_BYTES {
+            return Err(AppError::PayloadTooLarge(format!(
+                "form field {name:?} is over {} KiB",
+                MAX_TEXT_FIELD_BYTES / 1024
+            )));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| AppError::BadRequest(format!("form field {name:?} is not UTF-8")))
 }
 
 /// The session an upload goes to: `session_id` when visible, else the session of

@@ -3,12 +3,16 @@
 use super::AppState;
 use crate::error::AppResult;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use futures::future::{BoxFuture, FutureExt, Shared};
 use sandbox_runner::Language;
 use serde_json::json;
+use std::future::Future;
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Routes that need no key: monitors and load balancers call them.
 pub fn public_router() -> Router<AppState> {
@@ -22,43 +26,90 @@ pub fn protected_router() -> Router<AppState> {
         .route("/metrics", get(metrics))
 }
 
-/// Whether Docker answers and the image is present; languages, sessions, live sandboxes, pool. No auth.
+/// Whether Docker answers and the image is present, and the languages; with credentials
+/// (or auth off) also sessions, live sandboxes and pool. No auth. The Docker probe is
+/// cached for a second.
 #[utoipa::path(
     get,
     path = "/health",
     tag = "meta",
     responses(
-        (status = 200, description = "`{status: ok, version, docker, image, languages, sessions, sandboxes, pool}`", content_type = "application/json"),
+        (status = 200, description = "`{status: ok, version, docker, image, languages}`, plus `sessions, sandboxes, pool` with credentials", content_type = "application/json"),
         (status = 503, description = "Degraded: the same body with `status: degraded`", content_type = "application/json"),
     )
 )]
-async fn health(State(state): State<AppState>) -> impl IntoResponse {
+async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoResponse {
     let broker = &state.broker;
-    let (docker_ok, image_ok) = tokio::join!(broker.docker.ping(), broker.docker.image_present());
+    let (docker_ok, image_ok) = state
+        .health
+        .get(|| {
+            let broker = broker.clone();
+            async move { tokio::join!(broker.docker.ping(), broker.docker.image_present()) }
+        })
+        .await;
     let healthy = docker_ok && image_ok;
-    let body = json!({
+    let mut body = json!({
         "status": if healthy { "ok" } else { "degraded" },
         "version": env!("CARGO_PKG_VERSION"),
         "docker": { "reachable": docker_ok },
         "image": { "name": broker.config.image, "present": image_ok },
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
-        "sessions": broker.registry.len(),
-        "sandboxes": {
+    });
+    // How busy the broker is only to callers that could see it anyway.
+    if crate::auth::authenticated(&state, &headers) {
+        body["sessions"] = json!(broker.registry.len());
+        body["sandboxes"] = json!({
             "live": broker.live_sandboxes(),
             "max_live": broker.config.max_live_sandboxes,
-        },
-        "pool": {
+        });
+        body["pool"] = json!({
             "ready": broker.pool.ready(),
             "starting": broker.pool.creating(),
             "target": broker.pool.target(),
-        },
-    });
+        });
+    }
     let status = if healthy {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, Json(body))
+}
+
+/// How long one Docker probe answers `/health`.
+const HEALTH_TTL: Duration = Duration::from_secs(1);
+
+/// The probe behind `/health` (Docker reachable, image present), run at most once per
+/// [`HEALTH_TTL`] however many callers ask: concurrent callers share one probe.
+#[derive(Default)]
+pub(crate) struct HealthCache {
+    /// The probe of the current period, shared by its callers, and when it started.
+    current: std::sync::Mutex<Option<(Instant, SharedProbe)>>,
+}
+
+/// One probe's answer, awaited by every caller of its period.
+type SharedProbe = Shared<BoxFuture<'static, (bool, bool)>>;
+
+impl HealthCache {
+    /// The answer of this period's probe, starting one with `probe` when there is none.
+    pub(crate) async fn get<F, Fut>(&self, probe: F) -> (bool, bool)
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = (bool, bool)> + Send + 'static,
+    {
+        let shared = {
+            let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+            match current.as_ref() {
+                Some((at, shared)) if at.elapsed() < HEALTH_TTL => shared.clone(),
+                _ => {
+                    let shared = probe().boxed().shared();
+                    *current = Some((Instant::now(), shared.clone()));
+                    shared
+                }
+            }
+        };
+        shared.await
+    }
 }
 
 /// Installed packages per language, read from the image once.
@@ -106,4 +157,35 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         )],
         text,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_docker_probe_runs_once_per_second() {
+        let cache = HealthCache::default();
+        let probes = Arc::new(AtomicUsize::new(0));
+        let probe = || {
+            let probes = probes.clone();
+            async move {
+                probes.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                (true, true)
+            }
+        };
+        // Concurrent callers share one probe.
+        let answers = futures::future::join_all((0..100).map(|_| cache.get(probe))).await;
+        assert!(answers.iter().all(|a| *a == (true, true)));
+        assert_eq!(probes.load(Ordering::SeqCst), 1);
+        tokio::time::advance(Duration::from_millis(500)).await;
+        cache.get(probe).await;
+        assert_eq!(probes.load(Ordering::SeqCst), 1);
+        tokio::time::advance(Duration::from_millis(600)).await;
+        cache.get(probe).await;
+        assert_eq!(probes.load(Ordering::SeqCst), 2);
+    }
 }

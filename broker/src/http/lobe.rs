@@ -9,10 +9,11 @@
 //! object-schema shape, optional `systemRole`, `type`, `author`, `homepage`, `version: "1"`.
 
 use super::exec::ExecBody;
-use super::{ApiJson, AppState};
+use super::{AppState, GatewayJson};
 use crate::auth::{key_matches, require_auth, Caller};
 use crate::config::{AuthMode, Config};
 use crate::error::{AppError, AppResult};
+use crate::ids::is_valid_id;
 use crate::mcp::{download_url, inline_image_mime};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap};
@@ -136,16 +137,28 @@ async fn manifest(State(state): State<AppState>) -> Json<Value> {
     Json(manifest_json(&state.broker.config))
 }
 
-/// Runs the arguments (an `/exec` body: `lang`, `code`, `session_id`, ...) and answers
-/// markdown.
-/// Runs the plugin's arguments (an /exec body) and answers markdown. The key may also come
-/// as `apiKey` in `X-Lobe-Plugin-Settings`.
+/// The model's arguments: what the manifest offers, and nothing that names a user, an
+/// entity or other sessions' files. The body is written by the model, which a prompt
+/// (or a file it reads) may steer; who the user is comes from the credentials only.
+/// Other fields are ignored.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+pub struct LobeArgs {
+    /// Language name or alias.
+    lang: String,
+    /// Source code.
+    code: String,
+    /// The session of an earlier answer.
+    session_id: Option<String>,
+}
+
+/// Runs the plugin's arguments (`lang`, `code`, `session_id`) and answers markdown. The
+/// key may also come as `apiKey` in `X-Lobe-Plugin-Settings`.
 #[utoipa::path(
     post,
     path = "/lobe/run",
     tag = "lobe",
     security(("api_key" = []), ("bearer" = [])),
-    request_body(content = super::exec::ExecBody, content_type = "application/json"),
+    request_body(content = LobeArgs, content_type = "application/json"),
     responses(
         (status = 200, description = "Output, images and file links as markdown", content_type = "text/markdown"),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
@@ -157,10 +170,32 @@ async fn manifest(State(state): State<AppState>) -> Json<Value> {
 async fn run(
     State(state): State<AppState>,
     caller: Caller,
-    ApiJson(body): ApiJson<ExecBody>,
+    GatewayJson(args): GatewayJson<LobeArgs>,
 ) -> AppResult<Response> {
-    let (choice, input) = body.into_parts(&caller)?;
     let broker = state.broker.clone();
+    // Under the key's whole scope (LobeChat names no user), the model may go back only
+    // to sessions that name no user: a session id of a named user's session, leaked into
+    // a chat, starts a new session instead.
+    let session_id = args.session_id.filter(|id| {
+        caller.user.is_some()
+            || !is_valid_id(id)
+            || broker
+                .registry
+                .get(id)
+                .is_none_or(|s| s.meta.user.is_none())
+    });
+    let body = ExecBody {
+        lang: args.lang,
+        code: args.code,
+        args: None,
+        session_id,
+        entity_id: None,
+        user_id: None,
+        runtime_session_hint: None,
+        timeout: None,
+        files: None,
+    };
+    let (choice, input) = body.into_parts(&caller)?;
     broker.limits.check_exec(choice.user.as_deref())?;
     let session = broker.choose_session(&choice, &input.files).await?;
     let exec_broker = broker.clone();

@@ -9,11 +9,15 @@ pub mod openapi;
 pub mod playground;
 pub mod programmatic;
 
-use crate::auth::require_auth;
+use crate::auth::{require_auth, BUDGET_UNIT};
 use crate::broker::Broker;
+use crate::config::AuthMode;
 use crate::error::AppError;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
@@ -28,12 +32,30 @@ pub struct AppState {
     /// Cancelled when the server stops: ends open MCP streams, which would otherwise hold
     /// up the graceful shutdown.
     pub shutdown: tokio_util::sync::CancellationToken,
+    /// Bytes (in [`BUDGET_UNIT`]s) of request bodies being read before their caller is
+    /// known (the body-key path): CODEBROKER_PREAUTH_BODY_BUDGET.
+    pub(crate) preauth_budget: Arc<tokio::sync::Semaphore>,
+    /// The last Docker probe of `/health`, so a flood of health checks is not a flood of
+    /// Docker calls.
+    pub(crate) health: Arc<health::HealthCache>,
 }
 
 impl AppState {
     pub fn new(broker: Arc<Broker>) -> AppState {
+        // Rounded up, as each request's reservation is: a budget that is not a whole
+        // number of units still holds a body of its full size.
+        let units = broker
+            .config
+            .preauth_body_budget
+            .max(BUDGET_UNIT)
+            .div_ceil(BUDGET_UNIT);
+        let units = usize::try_from(units)
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
         AppState {
             broker,
+            preauth_budget: Arc::new(tokio::sync::Semaphore::new(units)),
+            health: Arc::default(),
             runs: Arc::default(),
             shutdown: tokio_util::sync::CancellationToken::new(),
         }
@@ -59,11 +81,22 @@ pub fn router(state: AppState) -> Router {
         .merge(playground::router())
         .merge(lobe::router(&state));
     let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
-    Router::new()
+    let mut app = Router::new()
         .merge(routes.clone())
         .nest("/v1", routes)
-        .fallback(|| async { AppError::NotFound("no such route".into()) })
-        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
+        .fallback(|| async { AppError::NotFound("no such route".into()) });
+    // Without credentials, a web page the user visits could reach the broker through a
+    // rebound DNS name and read the answers: only the known names are served.
+    let config = &state.broker.config;
+    // `*` serves any Host, but a browser's Origin must still be the page's own host.
+    if config.auth == AuthMode::None {
+        let hosts = crate::mcp::allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
+        app = app.layer(axum::middleware::from_fn_with_state(
+            Arc::new(hosts),
+            require_known_host,
+        ));
+    }
+    app.layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
             count_refusals,
@@ -83,8 +116,68 @@ async fn count_refusals(
     response
 }
 
-/// A JSON body read whatever its `Content-Type`, with errors in the API's envelope:
-/// malformed JSON is 400, well-formed JSON of the wrong shape 422.
+/// Under `CODEBROKER_AUTH=none`: refuses (403) a request whose `Host` is not one of
+/// CODEBROKER_MCP_ALLOWED_HOSTS or the host of CODEBROKER_PUBLIC_URL (DNS rebinding), or
+/// that a browser sent from a page of another origin (`Origin`: a cross-site form or
+/// `fetch` that needs no preflight). Servers and command-line clients send no `Origin`.
+async fn require_known_host(
+    State(hosts): State<Arc<Option<Vec<String>>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    // Under `*` (no list) the request's own Host is the one origin served.
+    let own = [host.to_string()];
+    let hosts: &[String] = hosts.as_ref().as_deref().unwrap_or(&own);
+    if !host_allowed(host, hosts) {
+        return AppError::Forbidden(format!(
+            "Host {host:?} is not served; add it to CODEBROKER_MCP_ALLOWED_HOSTS"
+        ))
+        .into_response();
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or("");
+        let authority = origin
+            .split_once("://")
+            .map_or("", |(_, rest)| rest)
+            .split('/')
+            .next()
+            .unwrap_or("");
+        if !host_allowed(authority, hosts) {
+            return AppError::Forbidden(format!(
+                "requests from pages of {origin:?} are not served; add its host to \
+                 CODEBROKER_MCP_ALLOWED_HOSTS"
+            ))
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Whether a `Host` header names an allowed host: an entry `name` allows any port,
+/// `name:port` that port only (as rmcp matches them on `/mcp`).
+fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let Ok(host) = host.trim().parse::<axum::http::uri::Authority>() else {
+        return false;
+    };
+    let name = |h: &str| h.trim_matches(['[', ']']).to_ascii_lowercase();
+    allowed.iter().any(|entry| {
+        let entry = entry.trim();
+        let (entry_host, entry_port) = match entry.parse::<axum::http::uri::Authority>() {
+            Ok(a) => (name(a.host()), a.port_u16()),
+            Err(_) => (name(entry), None),
+        };
+        entry_host == name(host.host()) && entry_port.is_none_or(|p| host.port_u16() == Some(p))
+    })
+}
+
+/// A JSON body, sent as `Content-Type: application/json` (else 415: a web page can send
+/// `text/plain` across origins without asking, never `application/json`), with errors in
+/// the API's envelope: malformed JSON is 400, well-formed JSON of the wrong shape 422.
 pub struct ApiJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for ApiJson<T>
@@ -95,25 +188,83 @@ where
     type Rejection = AppError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state)
-            .await
-            .map_err(|e| match e.status() {
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
-                    AppError::PayloadTooLarge("request body too large".into())
-                }
-                _ => AppError::BadRequest(format!("cannot read the request body: {e}")),
-            })?;
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Err(AppError::BadRequest(
-                "the request body is empty; send JSON".into(),
-            ));
+        let content_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let essence = content_type.split(';').next().unwrap_or("").trim();
+        if !essence.eq_ignore_ascii_case("application/json") {
+            return Err(AppError::UnsupportedMediaType(format!(
+                "send the body as Content-Type: application/json (got {content_type:?})"
+            )));
         }
-        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
-            use serde_json::error::Category;
-            match e.classify() {
-                Category::Data => AppError::Unprocessable(format!("invalid request: {e}")),
-                _ => AppError::BadRequest(format!("malformed JSON: {e}")),
+        json_body(req, state).await.map(ApiJson)
+    }
+}
+
+/// A JSON body whatever its `Content-Type`, for `/lobe/run` only: LobeChat's plugin
+/// gateway posts the arguments as a string, so `text/plain`. Cross-site pages cannot use
+/// that: with auth on they cannot send the key header without a preflight, and with auth
+/// off [`require_known_host`] refuses their `Origin`.
+pub struct GatewayJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for GatewayJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        json_body(req, state).await.map(GatewayJson)
+    }
+}
+
+/// Reads and parses a JSON body (malformed: 400, wrong shape: 422).
+async fn json_body<T: DeserializeOwned, S: Send + Sync>(
+    req: Request,
+    state: &S,
+) -> Result<T, AppError> {
+    let bytes = Bytes::from_request(req, state)
+        .await
+        .map_err(|e| match e.status() {
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
+                AppError::PayloadTooLarge("request body too large".into())
             }
-        })
+            _ => AppError::BadRequest(format!("cannot read the request body: {e}")),
+        })?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(AppError::BadRequest(
+            "the request body is empty; send JSON".into(),
+        ));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| {
+        use serde_json::error::Category;
+        match e.classify() {
+            Category::Data => AppError::Unprocessable(format!("invalid request: {e}")),
+            _ => AppError::BadRequest(format!("malformed JSON: {e}")),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_allowed;
+
+    #[test]
+    fn hosts_match_by_name_and_optional_port() {
+        let allowed: Vec<String> = ["localhost", "127.0.0.1", "::1", "code.example:8443"]
+            .map(String::from)
+            .to_vec();
+        assert!(host_allowed("localhost", &allowed));
+        assert!(host_allowed("LOCALHOST:8000", &allowed));
+        assert!(host_allowed("127.0.0.1:39123", &allowed));
+        assert!(host_allowed("[::1]:8000", &allowed));
+        assert!(host_allowed("code.example:8443", &allowed));
+        assert!(!host_allowed("code.example:8000", &allowed));
+        assert!(!host_allowed("evil.example", &allowed));
+        assert!(!host_allowed("localhost.evil.example", &allowed));
+        assert!(!host_allowed("", &allowed));
     }
 }

@@ -11,6 +11,7 @@ use crate::auth::Caller;
 use crate::broker::{ExecHooks, ExecOutput, ToolBridge};
 use crate::error::{AppError, AppResult};
 use crate::ids::new_id;
+use crate::session::visible;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::routing::post;
@@ -74,16 +75,24 @@ pub fn router() -> Router<AppState> {
 pub struct Runs {
     /// Runs by their current continuation token.
     by_token: DashMap<String, Arc<Run>>,
-    /// Runs by the request id their first request named, for the cancel route.
-    by_request: DashMap<String, Arc<Run>>,
+    /// Runs by the user who started them and a request id their requests named, for the
+    /// cancel route. Request ids are chosen by clients, so one user's id never reaches
+    /// (or replaces) another user's run.
+    by_request: DashMap<RequestKey, Arc<Run>>,
     /// Tokens already used, with when, to answer a replay with 409.
     used: DashMap<String, Instant>,
 }
+
+/// A run's request id, with the user it belongs to.
+type RequestKey = (Option<String>, String);
 
 /// One programmatic run.
 struct Run {
     /// The session it runs in.
     session_id: String,
+    /// The user its first request named; only they (or the key's whole scope) may
+    /// continue or cancel it.
+    user: Option<String>,
     /// Tool calls the code made and the client has not seen yet.
     calls: Mutex<Option<mpsc::UnboundedReceiver<ToolCall>>>,
     /// Where the client's results go.
@@ -163,11 +172,20 @@ async fn programmatic(
 ) -> AppResult<Json<Value>> {
     let run = match body.continuation_token.clone() {
         Some(token) => {
-            let run = continue_run(&state, token, body.tool_results.unwrap_or_default())?;
+            let user = caller.user_or(body.user_id.as_deref());
+            let run = continue_run(
+                &state,
+                user.as_deref(),
+                token,
+                body.tool_results.unwrap_or_default(),
+            )?;
             // LibreChat names each continuation with a request id of its own, and cancels
             // by that id.
             if let Some(id) = request_id(&headers) {
-                state.runs.by_request.insert(id, run.clone());
+                state
+                    .runs
+                    .by_request
+                    .insert((run.user.clone(), id), run.clone());
             }
             run
         }
@@ -237,6 +255,7 @@ async fn start_run(
     let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
     let run = Arc::new(Run {
         session_id,
+        user: choice.user.clone(),
         calls: Mutex::new(Some(calls_rx)),
         results: results_tx,
         pending: Mutex::new(HashSet::new()),
@@ -245,7 +264,10 @@ async fn start_run(
         window: Mutex::new(BATCH_WINDOW),
     });
     if let Some(id) = request_id {
-        state.runs.by_request.insert(id, run.clone());
+        state
+            .runs
+            .by_request
+            .insert((run.user.clone(), id), run.clone());
     }
     Ok(run)
 }
@@ -259,13 +281,21 @@ fn request_id(headers: &HeaderMap) -> Option<String> {
         .filter(|v| !v.is_empty())
 }
 
-/// Hands the client's results to the waiting run named by `token` (single use).
+/// Hands the client's results to the waiting run named by `token` (single use). Another
+/// user's token is unknown to `user`, and stays usable by its owner.
 fn continue_run(
     state: &AppState,
+    user: Option<&str>,
     token: String,
     results: Vec<ToolResultBody>,
 ) -> AppResult<Arc<Run>> {
-    let Some((_, run)) = state.runs.by_token.remove(&token) else {
+    let mine = |_: &String, run: &Arc<Run>| visible(user, run.user.as_deref());
+    let Some((_, run)) = state.runs.by_token.remove_if(&token, mine) else {
+        if state.runs.by_token.contains_key(&token) {
+            return Err(AppError::NotFound(
+                "unknown or expired continuation token".into(),
+            ));
+        }
         if state.runs.used.contains_key(&token) {
             return Err(AppError::Conflict(
                 "this continuation token was already used".into(),
@@ -425,6 +455,9 @@ fn final_json(output: &ExecOutput) -> Value {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct CancelBody {
     request_id: String,
+    /// The user, for an API-key caller that names them in the body (as in the run's).
+    #[serde(default)]
+    user_id: Option<String>,
 }
 
 /// `POST /exec/programmatic/cancel {"request_id"}`: stops the run its first request named.
@@ -443,13 +476,44 @@ struct CancelBody {
 )]
 async fn cancel(
     State(state): State<AppState>,
+    caller: Caller,
     ApiJson(body): ApiJson<CancelBody>,
 ) -> AppResult<Json<Value>> {
-    let (_, run) = state
-        .runs
-        .by_request
-        .remove(&body.request_id)
-        .ok_or_else(|| AppError::NotFound(format!("no run with request id {}", body.request_id)))?;
+    let user = caller.user_or(body.user_id.as_deref());
+    let not_found = || AppError::NotFound(format!("no run with request id {}", body.request_id));
+    let run = match user {
+        Some(user) => state
+            .runs
+            .by_request
+            .remove(&(Some(user), body.request_id.clone()))
+            .map(|(_, run)| run)
+            .ok_or_else(not_found)?,
+        // The key's whole scope: its own run of that id if there is one, else the one run
+        // of that id whoever started it. Several users' runs under one id: which one is
+        // meant is unknown, so none.
+        None => {
+            let mut matching = state
+                .runs
+                .by_request
+                .iter()
+                .filter(|e| e.key().1 == body.request_id)
+                .map(|e| e.key().clone())
+                .collect::<Vec<_>>();
+            let key = if matching.iter().any(|(u, _)| u.is_none()) {
+                (None, body.request_id.clone())
+            } else if matching.len() == 1 {
+                matching.remove(0)
+            } else {
+                return Err(not_found());
+            };
+            state
+                .runs
+                .by_request
+                .remove(&key)
+                .map(|(_, run)| run)
+                .ok_or_else(not_found)?
+        }
+    };
     run.cancel.cancel();
     // Answer the calls it is waiting on, so it can stop at once.
     for call_id in lock(&run.pending).drain() {
