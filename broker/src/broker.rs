@@ -6,13 +6,14 @@ use crate::error::{AppError, AppResult};
 use crate::ids::{is_valid_id, new_id};
 use crate::jwt::JwtKeys;
 use crate::ratelimit::Limits;
-use crate::sandbox::{docker::short, DockerBackend, Sandbox};
+use crate::sandbox::{docker::short, ChannelError, DockerBackend, Sandbox};
 use crate::session::evict::{self, Reason};
 use crate::session::registry::META_FILE;
 use crate::session::{Pool, Registry, Session, SessionMeta};
 use crate::workspace::{now_ms, FileRecord, HarvestLimits, Workspace};
 use sandbox_runner::{
-    ExecRequest, Language, Limit, RuntimeStatus, ToolCall, ToolResult, ToolSpec, WorkerMessage,
+    Admit, DisplayBudget, ExecRequest, Language, Limit, RuntimeStatus, ToolCall, ToolResult,
+    ToolSpec, WorkerMessage,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -97,8 +98,9 @@ pub struct ExecInput {
 #[derive(Default)]
 pub struct ExecHooks {
     /// Output chunks and displays as they happen (streaming); `None` collects output
-    /// into the result instead.
-    pub events: Option<mpsc::UnboundedSender<WorkerMessage>>,
+    /// into the result instead. Bounded: a consumer that stops reading holds the exec
+    /// back (down to the code's writes) rather than letting events pile up here.
+    pub events: Option<mpsc::Sender<WorkerMessage>>,
     /// Tools the code may call, and the way to their caller.
     pub tools: Option<ToolBridge>,
     /// Stops the exec when cancelled (a client gone, the cancel route).
@@ -140,7 +142,7 @@ impl Broker {
                 config.pool_max,
                 config.pool_refill_concurrency,
             )),
-            limits: Limits::from_config(&config),
+            limits: Limits::from_config(&config, docker.host_memory),
             jwt: JwtKeys::default(),
             metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
@@ -150,13 +152,16 @@ impl Broker {
         }
     }
 
-    /// Finds the session an exec should run in, or makes a new one.
+    /// Finds the session an exec should run in, or makes a new one. Its input refs are
+    /// authorised here, against the caller: a ref into a session the caller may not see is
+    /// a 403 whichever session the exec runs in.
     pub async fn choose_session(
         &self,
         choice: &SessionChoice,
         files: &[InputFile],
     ) -> AppResult<Arc<Session>> {
         let user = choice.user.as_deref();
+        self.authorize_refs(user, files)?;
         let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(user));
         if let Some(id) = choice.session_id.as_deref().filter(|s| !s.is_empty()) {
             if !is_valid_id(id) {
@@ -199,6 +204,24 @@ impl Broker {
             .filter(|h| !h.is_empty() && !is_valid_id(h));
         self.new_session_with(user, choice.entity_id.as_deref(), hint, true)
             .await
+    }
+
+    /// Refuses refs to files of sessions `user` may not see. Unknown sessions pass: the
+    /// exec runs and names the missing input.
+    fn authorize_refs(&self, user: Option<&str>, files: &[InputFile]) -> AppResult<()> {
+        let foreign = files.iter().any(|f| {
+            !f.session_id.is_empty()
+                && self
+                    .registry
+                    .get(&f.session_id)
+                    .is_some_and(|s| !s.visible_to(user))
+        });
+        if foreign {
+            return Err(AppError::Forbidden(
+                "an input file belongs to another user".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The one session every input ref belongs to, when there is one.
@@ -246,7 +269,11 @@ impl Broker {
             self.config.min_free_disk,
         )?;
         if for_exec {
-            self.make_room();
+            self.make_room(user);
+        } else {
+            // A session made by an upload holds no container, but a directory and a
+            // registry entry until its files expire: it costs one of the user's execs.
+            self.limits.check_exec(user)?;
         }
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
@@ -343,40 +370,58 @@ impl Broker {
             max_output_bytes: self.config.max_output_bytes,
             stream: events.is_some(),
             tools: specs,
+            max_display_events: self.config.max_display_events,
+            max_display_bytes: self.config.max_display_bytes,
         };
+        // The runner keeps the same budget; this one holds whatever the sandbox sends.
+        let mut displays = DisplayBudget::of(&request);
         let job = sandbox.new_job();
         let guard = CancelOnDrop {
             sandbox: Some(sandbox.clone()),
             job,
         };
         let (mut streamed_out, mut streamed_err) = (String::new(), String::new());
-        let run = sandbox.exec_as(job, request, |msg| match msg {
-            WorkerMessage::ToolCall(call) => match &calls_tx {
-                Some(tx) if known.contains(&call.name) => {
-                    let _ = tx.send(call);
-                }
-                _ => {
-                    let _ = refusals_tx.send(ToolResult {
-                        error_message: Some(format!("Unknown tool: '{}'", call.name)),
-                        call_id: call.call_id,
-                        result: serde_json::Value::Null,
-                        is_error: true,
-                    });
-                }
-            },
-            other => {
-                // Streamed output also goes into the final result.
-                if let WorkerMessage::Output(chunk) = &other {
-                    match chunk.stream {
-                        sandbox_runner::Stream::Stdout => streamed_out.push_str(&chunk.data),
-                        sandbox_runner::Stream::Stderr => streamed_err.push_str(&chunk.data),
+        let on_event = |msg| {
+            let other = match msg {
+                WorkerMessage::ToolCall(call) => {
+                    match &calls_tx {
+                        Some(tx) if known.contains(&call.name) => {
+                            let _ = tx.send(call);
+                        }
+                        _ => {
+                            let _ = refusals_tx.send(ToolResult {
+                                error_message: Some(format!("Unknown tool: '{}'", call.name)),
+                                call_id: call.call_id,
+                                result: serde_json::Value::Null,
+                                is_error: true,
+                            });
+                        }
                     }
+                    return None;
                 }
-                if let Some(tx) = &events {
-                    let _ = tx.send(other);
+                WorkerMessage::Display(display) => match displays.admit(&display) {
+                    Admit::Keep => WorkerMessage::Display(display),
+                    // Said once, as streamed stderr, so every front end shows it.
+                    Admit::DropFirst(note) => WorkerMessage::Output(sandbox_runner::OutputChunk {
+                        stream: sandbox_runner::Stream::Stderr,
+                        data: format!("{note}\n"),
+                    }),
+                    Admit::Drop => return None,
+                },
+                other => other,
+            };
+            // Streamed output also goes into the final result.
+            if let WorkerMessage::Output(chunk) = &other {
+                match chunk.stream {
+                    sandbox_runner::Stream::Stdout => streamed_out.push_str(&chunk.data),
+                    sandbox_runner::Stream::Stderr => streamed_err.push_str(&chunk.data),
                 }
             }
-        });
+            Some(other)
+        };
+        // The events go to the front end through a bounded channel: the exec waits for a
+        // consumer that is behind.
+        let run = sandbox.exec_as(job, request, on_event, events.as_ref());
         let cancel = cancel.unwrap_or_default();
         let drive = async {
             tokio::pin!(run);
@@ -413,13 +458,36 @@ impl Broker {
                 compile_cached: done.compile_cached,
             },
             Ok(Err(err)) => {
-                tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, "sandbox failed during an exec");
+                // Under gVisor a full memory cgroup ends the whole sandbox, runner included;
+                // the engine says whether that is how it ended.
+                let exec_start = std::time::SystemTime::now()
+                    .checked_sub(started.elapsed())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                // Only a sandbox that went away can have been ended for memory: a refusal
+                // or an odd answer comes from a runner still alive, not worth a wait.
+                let oom = matches!(err, ChannelError::Closed(_))
+                    && self
+                        .docker
+                        .ended_out_of_memory(&sandbox.container_id, exec_start)
+                        .await;
+                tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");
                 self.discard_sandbox(&session, &sandbox).await;
-                failed_output(
-                    &session,
-                    "The sandbox stopped unexpectedly; the next call starts a new one.",
-                    vec![],
-                )
+                if oom {
+                    failed_output(
+                        &session,
+                        &format!(
+                            "Error: {}; the sandbox was ended and the next call starts a new one.",
+                            Limit::Memory
+                        ),
+                        vec![Limit::Memory],
+                    )
+                } else {
+                    failed_output(
+                        &session,
+                        "The sandbox stopped unexpectedly; the next call starts a new one.",
+                        vec![],
+                    )
+                }
             }
             Err(_) => {
                 tracing::warn!(
@@ -433,7 +501,8 @@ impl Broker {
 
         let limits = HarvestLimits {
             max_files: self.config.max_output_files,
-            max_file_bytes: self.config.max_output_file_mb * 1024 * 1024,
+            max_file_bytes: self.config.max_output_file_mb.saturating_mul(1024 * 1024),
+            storage: self.storage_budget(&session),
         };
         let (files, harvest_notes) = self.harvest(&session, limits).await?;
         notes.extend(harvest_notes);
@@ -462,17 +531,16 @@ impl Broker {
             }
             self.discard_sandbox(session, &sandbox).await;
         }
-        self.make_room();
+        self.make_room(session.meta.user.as_deref());
         let _slot = self
             .limits
             .container_slot(&self.registry, session.meta.user.as_deref())?;
         let files_dir = session.workspace.files_dir();
-        if !files_dir.is_dir() {
-            session
-                .workspace
-                .create(self.config.sandbox_uid)
-                .map_err(|e| AppError::internal(format!("cannot recreate workspace: {e}")))?;
-        }
+        // Also brings a workspace of an older version to today's owners and modes.
+        session
+            .workspace
+            .create(self.config.sandbox_uid)
+            .map_err(|e| AppError::internal(format!("cannot recreate workspace: {e}")))?;
         if let Some(sandbox) = self.sandbox_from_pool(session).await {
             return Ok(sandbox);
         }
@@ -546,7 +614,7 @@ impl Broker {
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
             let report = workspace.harvest(&mut index, limits)?;
-            if !report.files.is_empty() {
+            if !report.files.is_empty() || report.index_changed {
                 workspace.save_index(&index)?;
             }
             Ok::<_, std::io::Error>((index, report))
@@ -554,8 +622,16 @@ impl Broker {
         .await
         .map_err(|e| AppError::internal(format!("harvest task failed: {e}")))?;
         match result {
-            Ok((index, report)) => {
-                *session.index() = index;
+            Ok((index, mut report)) => {
+                // Blobs go only once neither the saved nor the served index names them: a
+                // download of a dropped version is a 404 from then on, never a lost blob.
+                let unused = std::mem::take(&mut report.unused_blobs);
+                if unused.is_empty() {
+                    *session.index() = index;
+                } else {
+                    *session.index() = index.clone();
+                    crate::storage::delete_unused_blobs(&session.workspace, &index, unused).await;
+                }
                 Ok((
                     report.files.into_iter().map(|h| h.record).collect(),
                     report.notes,
@@ -642,12 +718,19 @@ impl Broker {
         Ok(())
     }
 
-    /// The eviction rules of the configuration.
+    /// The eviction rules of the configuration. Idle containers go before a cap that
+    /// refuses (CODEBROKER_MAX_CONTAINERS, the per-user cap) is reached, so that only
+    /// running code is ever refused room.
     fn evict_policy(&self) -> evict::Policy {
+        let lowest = |a: usize, b: usize| match (a, b) {
+            (0, n) | (n, 0) => n,
+            (a, b) => a.min(b),
+        };
         evict::Policy {
             idle_ttl_ms: self.config.idle_ttl_secs.saturating_mul(1000),
             single_use_ttl_ms: self.config.single_use_ttl_secs.saturating_mul(1000),
-            max_live: self.config.max_live_sandboxes,
+            max_live: lowest(self.config.max_live_sandboxes, self.limits.max_containers()),
+            max_per_user: self.limits.max_sessions_per_user(),
         }
     }
 
@@ -666,6 +749,7 @@ impl Broker {
                 execs: s.exec_count(),
                 busy: s.is_busy(),
                 uses: s.uses(),
+                user: s.meta.user.clone(),
             })
             .collect();
         (sessions, live)
@@ -676,15 +760,18 @@ impl Broker {
         self.live_sessions().0.len()
     }
 
-    /// Before one more session sandbox starts: removes the least recently used idle ones
-    /// over the cap (and any past a TTL). The removal itself runs in the background, so
-    /// the new session does not wait for the engine.
-    fn make_room(&self) {
+    /// Before one more session sandbox starts for `user`: removes the least recently
+    /// used idle ones over the caps (and any past a TTL). The removal itself runs in the
+    /// background, so the new session does not wait for the engine.
+    fn make_room(&self, user: Option<&str>) {
         let (sessions, live) = self.live_sessions();
         // Containers still starting for other requests hold no session sandbox yet, but
         // will: counted, so concurrent starts do not overshoot the cap.
-        let room_for = 1 + self.pool.cold_starts();
-        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room_for) {
+        let room = evict::Room {
+            total: 1 + self.pool.cold_starts(),
+            user: Some(user),
+        };
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
             self.evict_detached(&sessions[i], reason, live[i].uses);
         }
     }
@@ -716,7 +803,7 @@ impl Broker {
         let expired = serde_json::json!({
             "user": session.meta.user,
             "session": session.id(),
-            "idle": reason != Reason::OverCap,
+            "idle": matches!(reason, Reason::Idle | Reason::SingleUse),
             "reason": reason.as_str(),
         });
         self.audit.record("session_expire", expired);
@@ -739,7 +826,8 @@ impl Broker {
             self.discard_sandbox(&session, &sandbox).await;
         }
         let (sessions, live) = self.live_sessions();
-        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), 0) {
+        let room = evict::Room::default();
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
             let session = &sessions[i];
             // An exec that took the turn since the snapshot marked the session used: its
             // sandbox stays.

@@ -2,8 +2,9 @@
 //! the broker serves itself over the exec's tool bridge, with no client round trip:
 //!
 //! - `codemode.http.fetch({url, method?, headers?, body?})`: the broker makes the request,
-//!   for hosts on `CODEBROKER_CODEMODE_HTTP_ALLOW` only (redirects included), so the
-//!   container keeps no network;
+//!   for hosts on `CODEBROKER_CODEMODE_HTTP_ALLOW` only (redirects included; a name must
+//!   resolve to a public address unless that address is listed), so the container keeps
+//!   no network;
 //! - `codemode.env.get({key})`: variables of the broker's environment on
 //!   `CODEBROKER_CODEMODE_ENV_ALLOW`;
 //! - `codemode.<server>.<tool>(args)`: tools of the upstream MCP servers of
@@ -27,6 +28,7 @@ use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMes
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -43,6 +45,8 @@ const RECONNECT_AFTER: Duration = Duration::from_secs(2);
 const MAX_SCHEMA_DEPTH: usize = 6;
 /// Most tools `search` returns.
 const MAX_SEARCH_HITS: usize = 10;
+/// Events of a running `execute` queued for the collector, which drains them at once.
+const EVENT_QUEUE: usize = 16;
 
 /// What one `execute` produced.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,12 +67,17 @@ impl Outcome {
     }
 }
 
-/// One allowed HTTP host: a name, and a port unless any port is allowed.
+/// Variables of the broker's environment every `stdio:` upstream server gets: enough to
+/// find programs and run them (`npx`, `uvx` keep caches under `HOME`).
+const UPSTREAM_BASE_ENV: [&str; 6] = ["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"];
+
+/// One allowed HTTP host: a name, and a port unless the web's own ports are meant.
 #[derive(Debug, Clone, PartialEq)]
 struct HostRule {
     /// Lowercase host name or IP address (IPv6 without brackets).
     host: String,
-    /// The one port allowed; `None` allows any.
+    /// The one port allowed; `None` allows 80 and 443 (a bare name is a web site, not
+    /// every service its host runs).
     port: Option<u16>,
 }
 
@@ -120,10 +129,12 @@ fn host_allowed(rules: &[HostRule], url: &reqwest::Url) -> (String, bool) {
         .trim_end_matches(']')
         .to_ascii_lowercase();
     let port = url.port_or_known_default();
+    let port_ok = |rule: &HostRule| match rule.port {
+        Some(allowed) => port == Some(allowed),
+        None => matches!(port, Some(80 | 443)),
+    };
     let ok = matches!(url.scheme(), "http" | "https")
-        && rules
-            .iter()
-            .any(|r| r.host == host && (r.port.is_none() || r.port == port));
+        && rules.iter().any(|r| r.host == host && port_ok(r));
     let shown = match url.port() {
         Some(p) => format!("{host}:{p}"),
         None => host,
@@ -131,7 +142,93 @@ fn host_allowed(rules: &[HostRule], url: &reqwest::Url) -> (String, bool) {
     (shown, ok)
 }
 
-/// A redirect refused by the allowlist (found again in reqwest's error chain).
+/// Whether `ip` is an address of the public internet: not loopback, private, link-local,
+/// unique-local, shared (CGNAT), unspecified, multicast, broadcast, documentation or
+/// reserved. IPv6 forms that carry an IPv4 address (mapped, NAT64, 6to4) are judged by it.
+fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => is_public_v4(v4),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public_v4(v4);
+            }
+            let seg = v6.segments();
+            let embedded = |hi: u16, lo: u16| {
+                Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8)
+            };
+            if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+                return is_public_v4(embedded(seg[6], seg[7]));
+            }
+            if seg[0] == 0x2002 {
+                return is_public_v4(embedded(seg[1], seg[2]));
+            }
+            !(v6.is_unspecified()
+                || v6.is_loopback()
+                || v6.is_multicast()
+                || seg[..6] == [0; 6] // IPv4-compatible (deprecated)
+                || (seg[0] & 0xfe00) == 0xfc00 // unique local
+                || (seg[0] & 0xffc0) == 0xfe80 // link-local
+                || (seg[0] & 0xffc0) == 0xfec0 // site-local (deprecated)
+                || (seg[0] == 0x2001 && seg[1] == 0x0db8) // documentation
+                || seg[..4] == [0x0100, 0, 0, 0]) // discard
+        }
+    }
+}
+
+fn is_public_v4(ip: Ipv4Addr) -> bool {
+    let [a, b, c, _] = ip.octets();
+    !(a == 0 // "this network", unspecified
+        || ip.is_loopback()
+        || ip.is_private()
+        || ip.is_link_local() // the cloud metadata service is here
+        || ip.is_multicast()
+        || ip.is_broadcast()
+        || ip.is_documentation()
+        || (a == 100 && (b & 0xc0) == 64) // shared address space (CGNAT)
+        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
+        || (a == 198 && (b & 0xfe) == 18) // benchmarking
+        || a >= 240) // reserved
+}
+
+/// `http.fetch`'s name resolution: the addresses a name resolves to, less those that are not
+/// public (unless listed literally, or allowed by the operator). reqwest connects to the
+/// addresses given here, so the address checked is the address used: a name that
+/// re-binds between a check and the connection cannot exist.
+struct CheckedResolver {
+    /// Addresses the allowlist names literally: reachable even when not public.
+    listed: Vec<IpAddr>,
+    /// `CODEBROKER_CODEMODE_HTTP_ALLOW_PRIVATE`: every address is reachable.
+    allow_private: bool,
+}
+
+impl reqwest::dns::Resolve for CheckedResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let name = name.as_str().to_string();
+        let listed = self.listed.clone();
+        let allow_private = self.allow_private;
+        Box::pin(async move {
+            let resolved: Vec<SocketAddr> =
+                tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
+            let (usable, refused): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved
+                .into_iter()
+                .partition(|a| allow_private || is_public(a.ip()) || listed.contains(&a.ip()));
+            if usable.is_empty() {
+                if let Some(first) = refused.first() {
+                    let denied = Denied(format!(
+                        "Host '{name}' resolves to a non-public address ({}), which is not \
+                         allowed unless the address itself is listed",
+                        first.ip()
+                    ));
+                    return Err(Box::new(denied) as Box<dyn std::error::Error + Send + Sync>);
+                }
+            }
+            Ok(Box::new(usable.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// A request refused by the allowlist or the address policy (found again in reqwest's
+/// error chain).
 #[derive(Debug)]
 struct Denied(String);
 
@@ -219,6 +316,8 @@ pub struct CodeMode {
     http_allow: Arc<Vec<HostRule>>,
     /// Variables `env.get` may read.
     env_allow: Vec<String>,
+    /// Variables a `stdio:` upstream server gets besides [`UPSTREAM_BASE_ENV`].
+    upstream_env: Vec<String>,
     /// Upstream servers as configured (valid entries), with their connections.
     upstreams: Vec<UpstreamSlot>,
     /// The HTTP client of `http.fetch` (its redirect policy checks the allowlist); `None`
@@ -269,6 +368,15 @@ impl CodeMode {
             if attempt.previous().len() >= MAX_REDIRECTS {
                 return attempt.error(Denied("Too many redirects".into()));
             }
+            let from_https = attempt
+                .previous()
+                .last()
+                .is_some_and(|u| u.scheme() == "https");
+            if from_https && attempt.url().scheme() != "https" {
+                return attempt.error(Denied(
+                    "A redirect from https to http is not allowed".into(),
+                ));
+            }
             let (host, ok) = host_allowed(&rules, attempt.url());
             if ok {
                 attempt.follow()
@@ -276,7 +384,15 @@ impl CodeMode {
                 attempt.error(Denied(format!("Host '{host}' is not allowed")))
             }
         });
+        let resolver = CheckedResolver {
+            listed: http_allow
+                .iter()
+                .filter_map(|r| r.host.parse().ok())
+                .collect(),
+            allow_private: config.codemode_http_allow_private,
+        };
         let http = reqwest::Client::builder()
+            .dns_resolver(Arc::new(resolver))
             .redirect(policy)
             .timeout(call_timeout)
             .no_proxy()
@@ -287,6 +403,12 @@ impl CodeMode {
             enabled: config.codemode,
             http_allow,
             env_allow,
+            upstream_env: config
+                .codemode_mcp_env
+                .iter()
+                .map(|k| k.trim().to_string())
+                .filter(|k| !k.is_empty())
+                .collect(),
             upstreams,
             http,
             max_body: config.codemode_http_max_bytes,
@@ -360,6 +482,17 @@ impl CodeMode {
                 Target::Stdio(words) => {
                     let mut command = tokio::process::Command::new(&words[0]);
                     command.args(&words[1..]);
+                    // The code drives this process: it gets no keys of the broker's.
+                    command.env_clear();
+                    let names = UPSTREAM_BASE_ENV
+                        .iter()
+                        .copied()
+                        .chain(self.upstream_env.iter().map(String::as_str));
+                    for name in names {
+                        if let Some(value) = std::env::var_os(name) {
+                            command.env(name, value);
+                        }
+                    }
                     let transport = TokioChildProcess::new(command).map_err(|e| e.to_string())?;
                     ClientConfig::default()
                         .serve(transport)
@@ -501,7 +634,10 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             .and_then(Value::as_str)
             .ok_or("env.get needs {key: string}")?;
         if !self.env_allow.iter().any(|k| k == key) {
-            return Err(format!("Key '{key}' is not allowed"));
+            // Named, not echoed whole: a 4 MB key must not come back as a 4 MB answer.
+            let shown: String = key.chars().take(64).collect();
+            let more = if shown.len() < key.len() { "..." } else { "" };
+            return Err(format!("Key '{shown}{more}' is not allowed"));
         }
         Ok(std::env::var(key).map(Value::String).unwrap_or(Value::Null))
     }
@@ -677,7 +813,18 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         });
         let (calls_tx, mut calls_rx) = mpsc::unbounded_channel::<ToolCall>();
         let (results_tx, results_rx) = mpsc::unbounded_channel::<ToolResult>();
-        let (events_tx, mut events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
+        let (events_tx, mut events_rx) = mpsc::channel::<WorkerMessage>(EVENT_QUEUE);
+        // Output is kept as it comes (the runner caps it); displays have no place in the
+        // answer and are dropped here, never queued until the end.
+        let collector = tokio::spawn(async move {
+            let mut chunks = Vec::new();
+            while let Some(event) = events_rx.recv().await {
+                if let WorkerMessage::Output(chunk) = event {
+                    chunks.push(chunk);
+                }
+            }
+            chunks
+        });
         let reported: Arc<Mutex<Option<Value>>> = Arc::default();
         let report = reported.clone();
         let mode = self.clone();
@@ -724,12 +871,10 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             .await
             .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
         server.abort();
-        let mut chunks = Vec::new();
-        while let Ok(event) = events_rx.try_recv() {
-            if let WorkerMessage::Output(chunk) = event {
-                chunks.push(chunk);
-            }
-        }
+        // The exec is over and its sender gone: the collector ends at once.
+        let chunks = collector
+            .await
+            .map_err(|e| AppError::internal(format!("output collector failed: {e}")))?;
         let logs = log_lines(&chunks);
         let report = reported.lock().ok().and_then(|r| r.clone());
         let mut result = Value::Null;
@@ -1251,17 +1396,57 @@ mod tests {
             .collect();
         let check = |u: &str| host_allowed(&rules, &reqwest::Url::parse(u).expect("url"));
         assert_eq!(check("https://example.com/x"), ("example.com".into(), true));
-        assert!(check("http://EXAMPLE.com:81/").1);
+        assert!(check("https://EXAMPLE.com:443/").1);
+        assert!(
+            !check("http://EXAMPLE.com:81/").1,
+            "a bare name: 80 and 443 only"
+        );
         assert!(check("http://127.0.0.1:8080/").1);
         assert_eq!(
             check("http://127.0.0.1:8081/"),
             ("127.0.0.1:8081".into(), false)
         );
         assert!(check("http://[::1]:9/").1);
-        assert!(check("http://[::2]:1/").1);
+        assert!(check("http://[::2]/").1);
+        assert!(!check("http://[::2]:1/").1);
         assert!(!check("ftp://example.com/").1);
         assert!(!check("http://evil.com/").1);
         assert!(HostRule::parse("").is_none());
+    }
+
+    #[test]
+    fn public_addresses() {
+        for private in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.17.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "224.0.0.1",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "fe80::1",
+            "fd00::1",
+            "ff02::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "64:ff9b::a9fe:a9fe",
+            "2002:7f00:1::",
+            "::127.0.0.1",
+        ] {
+            assert!(!is_public(private.parse().expect("ip")), "{private}");
+        }
+        for public in [
+            "93.184.216.34",
+            "1.1.1.1",
+            "2606:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(is_public(public.parse().expect("ip")), "{public}");
+        }
     }
 
     #[test]

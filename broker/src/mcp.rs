@@ -63,14 +63,48 @@ that session.";
 /// `/mcp`, served by rmcp's streamable HTTP transport; `router()` in `http` puts the auth
 /// layer around it.
 pub fn router(state: &AppState) -> Router<AppState> {
-    Router::new().route_service("/mcp", service(state))
-}
-
-/// The rmcp service: one [`CodeTools`] per MCP session.
-pub fn service(state: &AppState) -> StreamableHttpService<CodeTools, LocalSessionManager> {
-    let config = &state.broker.config;
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
+    let sessions = Arc::new(sessions);
+    let max = state.broker.config.max_mcp_sessions;
+    Router::new()
+        .route_service("/mcp", service(state, sessions.clone()))
+        .route_layer(axum::middleware::from_fn(move |request, next| {
+            cap_sessions(sessions.clone(), max, request, next)
+        }))
+}
+
+/// Refuses (503) a request that would open an MCP session (one without `Mcp-Session-Id`)
+/// while CODEBROKER_MAX_MCP_SESSIONS are open; requests of open sessions pass. Concurrent
+/// `initialize` calls can pass the cap by as many as arrive at once.
+async fn cap_sessions(
+    sessions: Arc<LocalSessionManager>,
+    max: usize,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let opens = request.method() == axum::http::Method::POST
+        && !request.headers().contains_key("mcp-session-id");
+    if max > 0 && opens {
+        let open = sessions.sessions.read().await.len();
+        if open >= max {
+            return crate::error::AppError::Unavailable(format!(
+                "{open} MCP sessions are open, the most this broker keeps \
+                 (CODEBROKER_MAX_MCP_SESSIONS); close one or retry after idle ones expire"
+            ))
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// The rmcp service: one [`CodeTools`] per MCP session, kept by `sessions`.
+pub fn service(
+    state: &AppState,
+    sessions: Arc<LocalSessionManager>,
+) -> StreamableHttpService<CodeTools, LocalSessionManager> {
+    let config = &state.broker.config;
     let mut http = StreamableHttpServerConfig::default()
         .with_cancellation_token(state.shutdown.child_token())
         .with_max_request_body_bytes(config.max_body_mb * 1024 * 1024);
@@ -83,14 +117,14 @@ pub fn service(state: &AppState) -> StreamableHttpService<CodeTools, LocalSessio
     let codemode = CodeMode::new(config);
     StreamableHttpService::new(
         move || Ok(CodeTools::new(state.clone(), codemode.clone())),
-        Arc::new(sessions),
+        sessions,
         http,
     )
 }
 
 /// The `Host` values to accept: the configured ones plus the public URL's host; `None`
 /// (any) when the list holds `*`.
-fn allowed_hosts(configured: &[String], public_url: &str) -> Option<Vec<String>> {
+pub(crate) fn allowed_hosts(configured: &[String], public_url: &str) -> Option<Vec<String>> {
     let mut hosts: Vec<String> = configured
         .iter()
         .map(|h| h.trim().to_string())

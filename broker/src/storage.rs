@@ -6,7 +6,9 @@ use crate::broker::{Broker, InputFile};
 use crate::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::session::Session;
-use crate::workspace::{now_ms, safe_relative_path, FileRecord, Origin, Workspace};
+use crate::workspace::{
+    human_bytes, now_ms, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -27,7 +29,8 @@ pub struct StagedFile {
 /// How uploaded files are to be kept.
 #[derive(Debug, Clone, Default)]
 pub struct UploadOptions {
-    /// Never report them as generated, and keep the code from changing them.
+    /// Never report them as generated, and keep the code from changing them (when the
+    /// broker's uid is not the sandbox's; see `workspace`).
     pub read_only: bool,
     /// The new contract's `kind` (`user`, `agent`, `skill`).
     pub kind: Option<String>,
@@ -50,8 +53,44 @@ impl Broker {
         })
     }
 
+    /// What `session`'s stored versions may take now: its own budget, or what its user's
+    /// budget leaves it after the user's other sessions, whichever is smaller. Sessions of
+    /// callers that name no user have only their own: such callers hold the full-scope key,
+    /// and one shared budget would let one of their end users lock out all the others.
+    pub fn storage_budget(&self, session: &Session) -> StorageBudget {
+        let mut budget = StorageBudget::UNLIMITED;
+        if self.config.session_storage > 0 {
+            budget = StorageBudget {
+                room: self.config.session_storage,
+                limit: self.config.session_storage,
+                per_user: false,
+            };
+        }
+        if let (Some(user), limit @ 1..) = (session.meta.user.as_deref(), self.config.user_storage)
+        {
+            let others: u64 = self
+                .registry
+                .all()
+                .iter()
+                .filter(|s| s.id() != session.id() && s.meta.user.as_deref() == Some(user))
+                .map(|s| s.index().stored_bytes())
+                .sum();
+            let room = limit.saturating_sub(others);
+            if room < budget.room {
+                budget = StorageBudget {
+                    room,
+                    limit,
+                    per_user: true,
+                };
+            }
+        }
+        budget
+    }
+
     /// Moves staged files into `session`: into its blob store, and placed at their names
-    /// in `/mnt/data`. Returns one record per file, in order.
+    /// in `/mnt/data`. Returns one record per file, in order. A file that does not fit the
+    /// storage budget, even after versions that are no longer current were dropped, is a
+    /// 413 (the files before it are kept).
     pub async fn store_uploads(
         &self,
         session: &Arc<Session>,
@@ -64,31 +103,55 @@ impl Broker {
         let read_only =
             options.read_only || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
         let kind = options.kind.clone();
-        let records = tokio::task::spawn_blocking(move || {
+        let budget = self.storage_budget(session);
+        // Only this turn changes the index: a copy is changed, then put back.
+        let mut index = session.index().clone();
+        let (index, records, unused, result) = tokio::task::spawn_blocking(move || {
             let mut records = Vec::new();
-            for file in files {
-                std::fs::create_dir_all(workspace.blobs_dir())
+            let mut unused = Vec::new();
+            let mut store = |file: StagedFile| -> AppResult<()> {
+                let name = file.name.to_string_lossy().into_owned();
+                let extra = index.cost_of(Some(&file.sha256), file.size);
+                let Some(dropped) =
+                    index.make_room(extra, budget.room, Some(&name), Some(&file.sha256))
+                else {
+                    return Err(AppError::PayloadTooLarge(format!(
+                        "{name} ({}) does not fit {}: the session keeps {} of file versions \
+                         that are still current. Delete files first",
+                        human_bytes(file.size),
+                        budget.describe(),
+                        human_bytes(index.stored_bytes()),
+                    )));
+                };
+                unused.extend(dropped.blobs);
+                workspace
+                    .create_blobs_dir()
                     .and_then(|()| workspace.commit_blob(&file.temp, &file.sha256))
                     .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
                 // The workspace is the code's: a directory, or a link leading out of it,
                 // may stand where the name goes. That is the name's problem, not ours.
-                let stamp = workspace
-                    .place_blob(
-                        &workspace.blob_path(&file.sha256),
-                        &file.name,
-                        uid,
-                        read_only,
-                    )
-                    .map_err(|e| match in_the_way(&e) {
-                        Some(why) => AppError::Conflict(format!(
-                            "cannot place {:?} in /mnt/data: {why}",
-                            file.name
-                        )),
-                        None => AppError::internal(format!("cannot place upload: {e}")),
-                    })?;
-                records.push(FileRecord {
+                let placed = workspace.place_blob(
+                    &workspace.blob_path(&file.sha256),
+                    &file.name,
+                    uid,
+                    read_only,
+                );
+                let stamp = match placed {
+                    Ok(stamp) => stamp,
+                    Err(e) => {
+                        unused.push(file.sha256.clone());
+                        return Err(match in_the_way(&e) {
+                            Some(why) => AppError::Conflict(format!(
+                                "cannot place {:?} in /mnt/data: {why}",
+                                file.name
+                            )),
+                            None => AppError::internal(format!("cannot place upload: {e}")),
+                        });
+                    }
+                };
+                let record = FileRecord {
                     id: new_id(),
-                    name: file.name.to_string_lossy().into_owned(),
+                    name,
                     size: file.size,
                     sha256: file.sha256,
                     created_ms: now_ms(),
@@ -98,27 +161,38 @@ impl Broker {
                     read_only,
                     kind: kind.clone(),
                     modified_from: None,
-                });
+                };
+                index.push_current(record.clone());
+                records.push(record);
+                Ok(())
+            };
+            let mut result = Ok(());
+            for file in files {
+                result = store(file);
+                if result.is_err() {
+                    break;
+                }
             }
-            Ok::<_, AppError>(records)
+            (index, records, unused, result)
         })
         .await
-        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))??;
-        let index = {
-            let mut index = session.index();
-            for record in &records {
-                index.push_current(record.clone());
-            }
-            index.clone()
-        };
+        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))?;
+        // What was stored before a failure stays, recorded.
+        *session.index() = index.clone();
         save_index(&session.workspace, &index).await?;
+        delete_unused_blobs(&session.workspace, &index, unused).await;
         session.touch();
-        Ok(records)
+        result.map(|()| records)
     }
 
     /// Places an exec's input refs in its session (with its turn held): refs to this
     /// session's files must exist; files of other sessions of the same user are copied
     /// in. Missing inputs are named in `notes`; another user's file is a 403.
+    ///
+    /// The refs were authorised against the caller when the session was chosen
+    /// ([`Broker::choose_session`]); this checks the source against the destination's
+    /// owner as well, so that no file moves into a session whose owner could not see it
+    /// (an unnamed caller may run in any user's session).
     pub(crate) async fn place_inputs(
         &self,
         session: &Arc<Session>,
@@ -126,6 +200,7 @@ impl Broker {
         notes: &mut Vec<String>,
     ) -> AppResult<()> {
         let mut placed = Vec::new();
+        let budget = self.storage_budget(session);
         for file in files {
             let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
             let source = if file.session_id.is_empty() || file.session_id == session.id() {
@@ -165,6 +240,20 @@ impl Broker {
                 if current.is_some_and(|c| c.sha256 == record.sha256) {
                     continue;
                 }
+            } else {
+                // A copy from another session is a new version of this one: budgeted.
+                let fits = {
+                    let index = session.index();
+                    let extra = index.cost_of(Some(&record.sha256), record.size);
+                    index.could_fit(extra, budget.room, Some(&target_name))
+                };
+                if !fits {
+                    notes.push(format!(
+                        "Input file {target:?} was not placed: it is over {}",
+                        budget.describe()
+                    ));
+                    continue;
+                }
             }
             let from = source.workspace.clone();
             let to = session.workspace.clone();
@@ -172,7 +261,7 @@ impl Broker {
             let rec = record.clone();
             let target_for_copy = target_path.clone();
             let result = tokio::task::spawn_blocking(move || {
-                std::fs::create_dir_all(to.blobs_dir())?;
+                to.create_blobs_dir()?;
                 let blob = to.blob_path(&rec.sha256);
                 if !blob.exists() {
                     let src = from.blob_path(&rec.sha256);
@@ -206,16 +295,28 @@ impl Broker {
             }
         }
         if !placed.is_empty() {
+            let mut unused = Vec::new();
             let index = {
                 let mut index = session.index();
                 for record in placed {
-                    // A restored version of this session keeps its id: drop the old entry.
-                    index.files.retain(|r| r.id != record.id);
+                    // A restored version of this session keeps its id: drop the old entry
+                    // (its blob is the one the restored version names, so it stays).
+                    index.remove(&record.id);
+                    // Old versions make room as for any new version; what was placed is
+                    // recorded even if they cannot (it was checked to fit before).
+                    let extra = index.cost_of(Some(&record.sha256), record.size);
+                    let keep = Some(record.sha256.as_str());
+                    if let Some(dropped) =
+                        index.make_room(extra, budget.room, Some(&record.name), keep)
+                    {
+                        unused.extend(dropped.blobs);
+                    }
                     index.push_current(record);
                 }
                 index.clone()
             };
             save_index(&session.workspace, &index).await?;
+            delete_unused_blobs(&session.workspace, &index, unused).await;
         }
         Ok(())
     }
@@ -224,24 +325,21 @@ impl Broker {
     /// sandbox's copy when it is still that version.
     pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> AppResult<()> {
         let _turn = session.acquire().await;
-        let (record, index) = {
+        let (dropped, index) = {
             let mut index = session.index();
-            let Some(pos) = index.files.iter().position(|r| r.id == file_id) else {
+            let dropped = index.remove(file_id);
+            if dropped.records.is_empty() {
                 return Err(AppError::NotFound(format!("file {file_id} not found")));
-            };
-            let record = index.files.remove(pos);
-            (record, index.clone())
+            }
+            (dropped, index.clone())
         };
         save_index(&session.workspace, &index).await?;
         let workspace = session.workspace.clone();
-        let blob_unused = !index.uses_blob(&record.sha256);
         tokio::task::spawn_blocking(move || {
-            if record.current {
-                let _ = workspace.remove_if_unchanged(&record);
+            for record in dropped.records.iter().filter(|r| r.current) {
+                let _ = workspace.remove_if_unchanged(record);
             }
-            if blob_unused {
-                let _ = std::fs::remove_file(workspace.blob_path(&record.sha256));
-            }
+            workspace.delete_unused_blobs(&index, &dropped.blobs);
         })
         .await
         .map_err(|e| AppError::internal(format!("delete task failed: {e}")))?;
@@ -302,6 +400,21 @@ fn in_the_way(err: &std::io::Error) -> Option<&'static str> {
         }
         _ => None,
     }
+}
+
+/// Deletes blobs no record of the (saved) index names, off the async threads.
+pub(crate) async fn delete_unused_blobs(
+    workspace: &Workspace,
+    index: &crate::workspace::FileIndex,
+    blobs: Vec<String>,
+) {
+    if blobs.is_empty() {
+        return;
+    }
+    let workspace = workspace.clone();
+    let index = index.clone();
+    let _ =
+        tokio::task::spawn_blocking(move || workspace.delete_unused_blobs(&index, &blobs)).await;
 }
 
 /// Writes a session's index off the async threads.

@@ -1,5 +1,7 @@
 //! Which session containers to remove, and why: the idle TTL, the shorter TTL of sessions
-//! used only once, and the cap on live session containers (least recently used first).
+//! used only once, the cap on live session containers and the per-user cap (least
+//! recently used first). Busy containers are never removed: where they fill a cap, the
+//! caps in `ratelimit` refuse the next start instead.
 //!
 //! Clients such as LibreChat's `execute_code` send no session id, so most calls start a
 //! new session that is never used again; without these rules each leaves an idle
@@ -15,6 +17,8 @@ pub enum Reason {
     SingleUse,
     /// The least recently used, removed to stay under the cap.
     OverCap,
+    /// The least recently used of one user's, removed to stay under the per-user cap.
+    OverUserCap,
 }
 
 impl Reason {
@@ -24,6 +28,7 @@ impl Reason {
             Reason::Idle => "idle",
             Reason::SingleUse => "single_use",
             Reason::OverCap => "over_cap",
+            Reason::OverUserCap => "over_user_cap",
         }
     }
 }
@@ -38,6 +43,8 @@ pub struct Policy {
     pub single_use_ttl_ms: u64,
     /// Most session containers alive at once; 0: no cap.
     pub max_live: usize,
+    /// Most session containers alive at once for one user; 0: no cap.
+    pub max_per_user: usize,
 }
 
 /// What the rules look at of one session that holds a container.
@@ -51,18 +58,26 @@ pub struct Live {
     pub busy: bool,
     /// Its uses when the snapshot was taken: a removal is dropped if it was used since.
     pub uses: u64,
+    /// Its owner (`None`: callers that name no user), for the per-user cap.
+    pub user: Option<String>,
+}
+
+/// The containers about to start, for which the caps must leave room.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Room<'a> {
+    /// How many, all users together.
+    pub total: usize,
+    /// The owner of the one a request is waiting for (`Some(None)`: a caller naming no
+    /// user), who gets room under the per-user cap too; `None`: no such request.
+    pub user: Option<Option<&'a str>>,
 }
 
 /// The containers to remove, as indexes into `live` with the reason, so that after
-/// `room_for` more containers start, no more than the cap are alive. TTL victims come
-/// first, then the least recently used idle ones. Busy containers are kept even over
-/// the cap (the cap is then reached again as they finish).
-pub fn victims(
-    policy: &Policy,
-    live: &[Live],
-    now_ms: u64,
-    room_for: usize,
-) -> Vec<(usize, Reason)> {
+/// `room.total` more containers start, no more than the cap are alive, and no more than
+/// the per-user cap are `room.user`'s. TTL victims come first, then the user's least
+/// recently used idle ones, then anyone's. Busy containers are kept even over a cap (the
+/// cap is then reached again as they finish).
+pub fn victims(policy: &Policy, live: &[Live], now_ms: u64, room: Room) -> Vec<(usize, Reason)> {
     let mut out = Vec::new();
     let mut keep = Vec::new();
     for (i, s) in live.iter().enumerate() {
@@ -84,8 +99,22 @@ pub fn victims(
             None => keep.push(i),
         }
     }
+    if let (true, Some(user)) = (policy.max_per_user > 0, room.user) {
+        let mine = |i: &usize| live[*i].user.as_deref() == user;
+        let wanted = keep.iter().filter(|i| mine(i)).count() + 1;
+        let excess = wanted.saturating_sub(policy.max_per_user);
+        let mut idle: Vec<usize> = keep
+            .iter()
+            .copied()
+            .filter(|i| mine(i) && !live[*i].busy)
+            .collect();
+        idle.sort_by_key(|&i| (live[i].last_used_ms, i));
+        idle.truncate(excess);
+        keep.retain(|i| !idle.contains(i));
+        out.extend(idle.into_iter().map(|i| (i, Reason::OverUserCap)));
+    }
     if policy.max_live > 0 {
-        let wanted = keep.len() + room_for;
+        let wanted = keep.len() + room.total;
         let excess = wanted.saturating_sub(policy.max_live);
         let mut idle: Vec<usize> = keep.into_iter().filter(|&i| !live[i].busy).collect();
         idle.sort_by_key(|&i| (live[i].last_used_ms, i));
@@ -106,6 +135,7 @@ mod tests {
             execs,
             busy,
             uses: 0,
+            user: None,
         }
     }
 
@@ -114,7 +144,13 @@ mod tests {
             idle_ttl_ms: 600 * SEC,
             single_use_ttl_ms: 30 * SEC,
             max_live,
+            max_per_user: 0,
         }
+    }
+
+    /// Room for `total` more, none of them for a waiting user.
+    fn room(total: usize) -> Room<'static> {
+        Room { total, user: None }
     }
 
     #[test]
@@ -129,13 +165,16 @@ mod tests {
             live(971, 1, false),  // used once, 29 s ago: stays
         ];
         assert_eq!(
-            victims(&policy(0), &sessions, now, 0),
+            victims(&policy(0), &sessions, now, room(0)),
             vec![(1, Reason::SingleUse), (3, Reason::Idle)]
         );
         // Turned off, only the idle TTL applies.
         let mut p = policy(0);
         p.single_use_ttl_ms = 0;
-        assert_eq!(victims(&p, &sessions, now, 0), vec![(3, Reason::Idle)]);
+        assert_eq!(
+            victims(&p, &sessions, now, room(0)),
+            vec![(3, Reason::Idle)]
+        );
     }
 
     #[test]
@@ -149,13 +188,13 @@ mod tests {
         ];
         // Four alive, cap four: room for one more means one goes, the oldest idle one.
         assert_eq!(
-            victims(&policy(4), &sessions, now, 1),
+            victims(&policy(4), &sessions, now, room(1)),
             vec![(2, Reason::OverCap)]
         );
-        assert_eq!(victims(&policy(4), &sessions, now, 0), vec![]);
+        assert_eq!(victims(&policy(4), &sessions, now, room(0)), vec![]);
         // Cap two, room for one: three go, never the busy one.
         assert_eq!(
-            victims(&policy(2), &sessions, now, 1),
+            victims(&policy(2), &sessions, now, room(1)),
             vec![
                 (2, Reason::OverCap),
                 (0, Reason::OverCap),
@@ -164,7 +203,7 @@ mod tests {
         );
         // All busy: nothing can go.
         let busy = [live(1, 1, true), live(2, 1, true)];
-        assert_eq!(victims(&policy(1), &busy, now, 1), vec![]);
+        assert_eq!(victims(&policy(1), &busy, now, room(1)), vec![]);
     }
 
     #[test]
@@ -177,12 +216,61 @@ mod tests {
         ];
         // After the single-use one goes, two remain: room for one more under a cap of 3.
         assert_eq!(
-            victims(&policy(3), &sessions, now, 1),
+            victims(&policy(3), &sessions, now, room(1)),
             vec![(0, Reason::SingleUse)]
         );
         assert_eq!(
-            victims(&policy(2), &sessions, now, 1),
+            victims(&policy(2), &sessions, now, room(1)),
             vec![(0, Reason::SingleUse), (1, Reason::OverCap)]
+        );
+    }
+
+    #[test]
+    fn the_per_user_cap_evicts_that_users_least_recently_used_idle_container() {
+        let now = 100 * SEC;
+        let of = |user: &str, last_used_s: u64, busy: bool| Live {
+            user: Some(user.into()),
+            ..live(last_used_s, 3, busy)
+        };
+        let sessions = [
+            of("a", 90, false),
+            of("b", 10, false), // the oldest of all, but not a's
+            of("a", 80, true),  // a's oldest, but busy
+            of("a", 85, false),
+        ];
+        let mut p = policy(0);
+        p.max_per_user = 3;
+        let for_a = Room {
+            total: 1,
+            user: Some(Some("a")),
+        };
+        assert_eq!(
+            victims(&p, &sessions, now, for_a),
+            vec![(3, Reason::OverUserCap)]
+        );
+        // Room for b: b has one of three.
+        let for_b = Room {
+            total: 1,
+            user: Some(Some("b")),
+        };
+        assert_eq!(victims(&p, &sessions, now, for_b), vec![]);
+        // Cap one: both of a's idle ones go, the busy one stays (the caller then gets 429).
+        p.max_per_user = 1;
+        assert_eq!(
+            victims(&p, &sessions, now, for_a),
+            vec![(3, Reason::OverUserCap), (0, Reason::OverUserCap)]
+        );
+        // With a global cap too, what the user's own removal freed counts.
+        p.max_per_user = 3;
+        p.max_live = 4;
+        assert_eq!(
+            victims(&p, &sessions, now, for_a),
+            vec![(3, Reason::OverUserCap)]
+        );
+        p.max_live = 3;
+        assert_eq!(
+            victims(&p, &sessions, now, for_a),
+            vec![(3, Reason::OverUserCap), (1, Reason::OverCap)]
         );
     }
 }

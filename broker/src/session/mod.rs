@@ -82,14 +82,9 @@ impl Session {
         &self.meta.id
     }
 
-    /// Whether `user` may see this session. A caller that names no user acts with the
-    /// API key's scope and may; a named user sees only their own sessions.
+    /// Whether `user` may see this session (see [`visible`]).
     pub fn visible_to(&self, user: Option<&str>) -> bool {
-        match (user, self.meta.user.as_deref()) {
-            (Some(caller), Some(owner)) => caller == owner,
-            (Some(_), None) => true,
-            (None, _) => true,
-        }
+        visible(user, self.meta.user.as_deref())
     }
 
     /// Waits for this session's turn to run.
@@ -166,6 +161,19 @@ impl Session {
     }
 }
 
+/// Whether a caller naming `user` may see what `owner` owns (a session, a programmatic
+/// run). A caller that names no user acts with the API key's scope and sees everything; a
+/// named user sees only what is theirs: not another user's, and not what an unnamed
+/// caller made (MCP clients, LobeChat and the playground name no user, and their session
+/// ids travel in transcripts and shared chats).
+pub fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
+    match (user, owner) {
+        (Some(caller), Some(owner)) => caller == owner,
+        (Some(_), None) => false,
+        (None, _) => true,
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing leaves these values half-updated, so a poisoned lock is still usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -185,6 +193,15 @@ mod tests {
         };
         let workspace = Workspace::new(std::path::Path::new("/nonexistent"), &meta.id);
         Session::new(meta, workspace, FileIndex::default())
+    }
+
+    #[test]
+    fn named_users_see_only_their_own() {
+        assert!(visible(Some("a"), Some("a")));
+        assert!(!visible(Some("a"), Some("b")));
+        assert!(!visible(Some("a"), None), "an unnamed caller's session");
+        assert!(visible(None, Some("a")), "the key's scope");
+        assert!(visible(None, None));
     }
 
     #[test]

@@ -128,6 +128,9 @@ impl Registry {
             };
             if let Some(session) = self.get(&id) {
                 self.index_keys(&session.meta);
+                // Nothing uses the session yet: blobs its index does not name (left by a
+                // crash) can go, so the disk matches the storage budget's count.
+                let _ = session.workspace.sweep_blobs(&session.index());
                 n += 1;
             }
         }
