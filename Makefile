@@ -4,6 +4,8 @@
 #   make test    unit tests, then end-to-end tests against Docker and the image (the
 #                Docker-daemon restart test last)
 #   make leftovers  containers and workspaces a test run left behind (fails on any)
+#   make test-runsc the core, hostile and LibreChat suites with every sandbox under gVisor
+#                (register it first: scripts/runsc-up.sh)
 #   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
 IMAGE ?= codebroker-sandbox:latest
@@ -11,7 +13,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test daemon-test leftovers
+.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test daemon-test leftovers test-runsc
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -32,6 +34,19 @@ test: image
 # it: last, on its own (the test is #[ignore]d in the run above).
 daemon-test:
 	$(CARGO) test -p codebroker --test hostile_daemon -- --ignored --test-threads=1
+
+# The suites that say whether sandboxes behave the same under gVisor (runsc, registered
+# with the daemon by scripts/runsc-up.sh). Skipped there, each a known difference of the
+# runtime (SECURITY.md): the host's pids limit counts gVisor's own threads, so a fork bomb
+# ends the whole sandbox instead of failing its forks; nproc shows the host's CPUs, not
+# the CPU limit; 64-session bursts take longer than this suite is worth.
+RUNSC_SUITES ?= --test python --test languages --test files --test limits --test streaming \
+	--test lifecycle --test uploads --test hostile_sandbox --test hostile_host
+RUNSC_SKIP ?= --skip a_bash_fork_bomb_is_contained --skip a_python_fork_loop_is_contained \
+	--skip nproc_reports_no_more_cpus_than_the_limit --skip sixty_four_sessions
+test-runsc: image
+	CODEBROKER_RUNTIME=runsc $(CARGO) test -p codebroker $(RUNSC_SUITES) -- --test-threads=2 $(RUNSC_SKIP)
+	CODEBROKER_RUNTIME=runsc $(MAKE) --no-print-directory librechat-test
 
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:

@@ -3,7 +3,7 @@
 
 mod common;
 
-use codebroker::config::AuthMode;
+use codebroker::config::{AuthMode, ContainerCap};
 use common::{session, stdout, TestBroker};
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
@@ -359,34 +359,60 @@ async fn exec_rate_limit_is_per_user() {
     assert_eq!(stdout(&after.body), "hi\n");
 }
 
+/// Starts `code` (bash) as `user` in the background; the exec holds its sandbox busy.
+fn busy_exec(broker: &TestBroker, user: &str, code: &str) -> tokio::task::JoinHandle<(u16, Value)> {
+    let request = broker
+        .client
+        .post(broker.url("/exec"))
+        .header("user-id", user)
+        .json(&json!({ "lang": "bash", "code": code }));
+    tokio::spawn(async move {
+        let a = send(request).await;
+        (a.status, a.body)
+    })
+}
+
+/// Waits until `n` of the broker's containers exist.
+async fn wait_for_containers(broker: &TestBroker, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while broker.containers().len() < n {
+        assert!(std::time::Instant::now() < deadline, "no {n} containers");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test]
-async fn container_cap_answers_429_until_one_is_reaped() {
+async fn container_cap_answers_429_while_all_run_code() {
     let broker = TestBroker::start_with("cap", |c| {
-        c.max_containers = 1;
-        c.idle_ttl_secs = 2;
-        c.reap_interval_secs = 1;
+        c.max_containers = ContainerCap::Count(1);
+        c.max_exec_timeout_ms = 10_000;
     })
     .await;
+    let busy = busy_exec(&broker, "first", "sleep 4; echo done");
+    wait_for_containers(&broker, 1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A new session would need a second container, and the only one runs code.
     let body = json!({ "lang": "bash", "code": "echo hi" });
-    let first = exec(&broker, &[], body.clone()).await;
-    assert_eq!(first.status, 200, "{}", first.body);
-    let s = session(&first.body);
-    // Its own session still runs: no new container needed.
-    let same = exec(
-        &broker,
-        &[],
-        json!({ "lang": "bash", "code": "echo again", "session_id": s }),
-    )
-    .await;
-    assert_eq!(same.status, 200, "{}", same.body);
-    // A new session would need a second container.
     let limited = exec(&broker, &[("user-id", "other".to_string())], body.clone()).await;
     let wait = retry_after(&limited);
-    assert!(wait <= 5, "{}", limited.body);
-    tokio::time::sleep(Duration::from_secs(wait)).await;
+    assert!(wait <= 10, "{}", limited.body);
+    let (status, first) = busy.await.expect("busy exec");
+    assert_eq!(status, 200, "{first}");
+    let s = session(&first);
+    // Now idle, it makes room: the next session is served at once.
     let after = exec(&broker, &[("user-id", "other".to_string())], body).await;
     assert_eq!(after.status, 200, "{}", after.body);
     assert_ne!(session(&after.body), s);
+    // The first session keeps its files and starts a new sandbox when used again (which
+    // in turn takes the idle one's place).
+    let again = exec(
+        &broker,
+        &[("user-id", "first".to_string())],
+        json!({ "lang": "bash", "code": "echo again", "session_id": s }),
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(session(&again.body), s);
 }
 
 #[tokio::test]
@@ -397,21 +423,69 @@ async fn live_sessions_per_user_are_capped() {
     .await;
     let alice = [("user-id", "alice".to_string())];
     let body = json!({ "lang": "bash", "code": "echo hi" });
-    let first = exec(&broker, &alice, body.clone()).await;
-    assert_eq!(first.status, 200, "{}", first.body);
-    let s = session(&first.body);
+    let busy = busy_exec(&broker, "alice", "sleep 4; echo done");
+    wait_for_containers(&broker, 1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let second = exec(&broker, &alice, body.clone()).await;
     retry_after(&second);
-    // Her live session is still hers to use, and Bob has his own allowance.
-    let same = exec(
+    // Bob has his own allowance.
+    let bob = exec(&broker, &[("user-id", "bob".to_string())], body.clone()).await;
+    assert_eq!(bob.status, 200, "{}", bob.body);
+    let (status, first) = busy.await.expect("busy exec");
+    assert_eq!(status, 200, "{first}");
+    // Her idle session makes room for her next one; its files stay.
+    let third = exec(&broker, &alice, body).await;
+    assert_eq!(third.status, 200, "{}", third.body);
+    assert_ne!(session(&third.body), session(&first));
+    // Only one of Alice's and Bob's containers run (the evicted one may take a moment
+    // to be removed).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while broker.containers().len() > 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            broker.containers()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A token LibreChat minted `age` seconds ago with the usual five-minute lifetime.
+fn token_minted_ago(sub: &str, age: u64) -> String {
+    let issued = now() - age;
+    let claims = json!({
+        "iss": "librechat", "aud": "codeapi", "sub": sub,
+        "iat": issued, "nbf": issued, "exp": issued + 300,
+    });
+    let key = EncodingKey::from_ed_pem(ED_A).expect("private key");
+    let mut header = Header::new(Algorithm::EdDSA);
+    header.kid = Some("lc-ed".into());
+    encode(&header, &claims, &key).expect("sign")
+}
+
+#[tokio::test]
+async fn a_jwt_is_accepted_at_most_300_seconds_after_it_was_issued() {
+    let broker = TestBroker::start_with("jwtlife", |c| {
+        c.auth = AuthMode::Key;
+        c.api_key = vec![];
+        c.jwt_public_keys = vec![format!("lc-ed={}", key_path("ed25519_a.pub.pem"))];
+    })
+    .await;
+    // iat = now - 320, exp = now - 20: inside the clock-skew leeway of exp, but issued
+    // more than 300 s ago.
+    let old = get(
         &broker,
-        &alice,
-        json!({ "lang": "bash", "code": "echo again", "session_id": s }),
+        &[bearer(&token_minted_ago("alice", 320))],
+        "/libraries",
     )
     .await;
-    assert_eq!(same.status, 200, "{}", same.body);
-    let bob = exec(&broker, &[("user-id", "bob".to_string())], body).await;
-    assert_eq!(bob.status, 200, "{}", bob.body);
-    // Only Alice's and Bob's containers run.
-    assert_eq!(broker.containers().len(), 2);
+    assert_eq!(old.status, 401, "{}", old.body);
+    // Near the end of its 300 s it still works.
+    let fresh = get(
+        &broker,
+        &[bearer(&token_minted_ago("alice", 280))],
+        "/libraries",
+    )
+    .await;
+    assert_ne!(fresh.status, 401, "{}", fresh.body);
 }

@@ -161,6 +161,11 @@ async fn new_sessions_come_from_the_pool() {
     let other = broker.run("bash", "ls", None).await;
     assert_ne!(session(&other), session(&resp));
     assert_eq!(stdout(&other), "");
+    // A graceful stop ends the pool's refills first, so none creates a container after
+    // the removal (dropping the broker mid-refill left one in `Created`).
+    let instance = broker.instance.clone();
+    let _data = broker.stop().await;
+    common::remove_containers_of(&instance);
 }
 
 /// An upload makes a session without a sandbox; its first exec is handed a pooled one

@@ -417,3 +417,57 @@ async fn open_mcp_sessions_do_not_hold_up_shutdown() {
     );
     drop(client);
 }
+
+#[tokio::test]
+async fn mcp_sessions_are_capped() {
+    let broker = TestBroker::start_with("mcpcap", |c| c.max_mcp_sessions = 3).await;
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "curl", "version": "1"}}});
+    let initialize = || {
+        broker
+            .client
+            .post(broker.url("/mcp"))
+            .header("accept", "application/json, text/event-stream")
+            .json(&init)
+            .send()
+    };
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let resp = initialize().await.expect("POST /mcp");
+        assert_eq!(resp.status(), 200);
+        let id = resp.headers()["mcp-session-id"]
+            .to_str()
+            .expect("id")
+            .to_string();
+        ids.push(id);
+    }
+    let over = initialize().await.expect("POST /mcp");
+    assert_eq!(over.status(), 503);
+    let body: Value = over.json().await.expect("JSON");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("CODEBROKER_MAX_MCP_SESSIONS"),
+        "{body}"
+    );
+    // Closing one makes room.
+    let closed = broker
+        .client
+        .delete(broker.url("/mcp"))
+        .header("mcp-session-id", &ids[0])
+        .send()
+        .await
+        .expect("DELETE /mcp");
+    assert!(closed.status().is_success(), "{}", closed.status());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let resp = initialize().await.expect("POST /mcp");
+        if resp.status() == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", resp.status());
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{containers_of, instance_name, remove_containers_of, require_image};
+use common::{containers_of, inspect, instance_name, remove_containers_of, require_image};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
@@ -16,18 +16,38 @@ struct Proc {
     child: Child,
     base: String,
     instance: String,
-    _data: tempfile::TempDir,
+    /// The data directory; handed to the next broker by `hand_over`.
+    data: Option<tempfile::TempDir>,
+    /// Remove the instance's containers on drop (not when handed over).
+    remove_on_drop: bool,
 }
 
 impl Proc {
     async fn start(tag: &str, containers: &str, grace_secs: u64) -> Proc {
+        let data = tempfile::tempdir().expect("tempdir");
+        Proc::launch(instance_name(tag), data, containers, grace_secs, &[]).await
+    }
+
+    /// Gives up the instance and data directory for a next broker, leaving the
+    /// containers alone.
+    fn hand_over(mut self) -> (String, tempfile::TempDir) {
+        self.remove_on_drop = false;
+        let data = self.data.take().expect("data");
+        (self.instance.clone(), data)
+    }
+
+    async fn launch(
+        instance: String,
+        data: tempfile::TempDir,
+        containers: &str,
+        grace_secs: u64,
+        extra: &[(&str, &str)],
+    ) -> Proc {
         require_image();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("free port")
             .port();
-        let data = tempfile::tempdir().expect("tempdir");
-        let instance = instance_name(tag);
         let child = Command::new(env!("CARGO_BIN_EXE_codebroker"))
             .env("CODEBROKER_LISTEN", format!("127.0.0.1:{port}"))
             .env("CODEBROKER_AUTH", "none")
@@ -37,6 +57,7 @@ impl Proc {
             .env("CODEBROKER_POOL_SIZE", "0")
             .env("CODEBROKER_SHUTDOWN_CONTAINERS", containers)
             .env("CODEBROKER_SHUTDOWN_GRACE", grace_secs.to_string())
+            .envs(extra.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .expect("start the broker binary");
@@ -44,7 +65,8 @@ impl Proc {
             child,
             base: format!("http://127.0.0.1:{port}"),
             instance,
-            _data: data,
+            data: Some(data),
+            remove_on_drop: true,
         };
         let client = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -89,7 +111,9 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        remove_containers_of(&self.instance);
+        if self.remove_on_drop {
+            remove_containers_of(&self.instance);
+        }
     }
 }
 
@@ -233,4 +257,76 @@ async fn stops_after_the_grace_period() {
     );
     let left = containers_of(&broker.instance);
     assert!(left.is_empty(), "containers left behind: {left:?}");
+}
+
+/// Whether the container is running (a removed one is not).
+fn running(id: &str) -> bool {
+    inspect(id)["State"]["Running"].as_bool().unwrap_or(false)
+}
+
+#[tokio::test]
+async fn kept_containers_end_themselves_when_no_broker_comes_back() {
+    let ttl = [("CODEBROKER_IDLE_TTL_SECS", "5")];
+    let data = tempfile::tempdir().expect("tempdir");
+    let mut broker = Proc::launch(instance_name("unattended"), data, "keep", 10, &ttl).await;
+    session_with_container(&broker.base).await;
+    let kept = containers_of(&broker.instance);
+    assert_eq!(kept.len(), 1);
+    broker.signal(libc::SIGTERM);
+    assert!(broker.wait(Duration::from_secs(30)).await.success());
+    let stopped = Instant::now();
+    assert!(
+        running(&kept[0]),
+        "the container is kept for the next start"
+    );
+    // `docker compose down`: no broker comes back. Within the runner's unattended limit
+    // (the idle TTL, at least 20 s) and a margin for a loaded host, the container has
+    // ended itself.
+    while running(&kept[0]) {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(45),
+            "the kept container still runs {:?} after its broker stopped (limit 20 s)",
+            stopped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!(
+        "the kept container ended {:?} after its broker stopped",
+        stopped.elapsed()
+    );
+    assert!(
+        stopped.elapsed() >= Duration::from_secs(15),
+        "it ended after {:?}, long before its limit",
+        stopped.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_broker_back_within_the_idle_ttl_re_attaches_and_keeps_its_containers_alive() {
+    let ttl = [("CODEBROKER_IDLE_TTL_SECS", "5")];
+    let data = tempfile::tempdir().expect("tempdir");
+    let mut first = Proc::launch(instance_name("reattach-ttl"), data, "keep", 10, &ttl).await;
+    let session = session_with_container(&first.base).await;
+    let kept = containers_of(&first.instance);
+    first.signal(libc::SIGTERM);
+    assert!(first.wait(Duration::from_secs(30)).await.success());
+    let (instance, data) = first.hand_over();
+    let second = Proc::launch(instance, data, "remove", 10, &ttl).await;
+    // Longer than the runner's unattended limit (20 s): the new broker's heartbeats keep it.
+    let resp: Value = reqwest::Client::new()
+        .post(format!("{}/exec", second.base))
+        .json(&json!({
+            "lang": "py", "session_id": session,
+            "code": "import time\ntime.sleep(24)\nprint(x + 1)",
+        }))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("POST /exec")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(resp["stdout"], "42\n", "{resp}");
+    assert_eq!(containers_of(&second.instance), kept, "the same container");
+    assert!(running(&kept[0]));
 }

@@ -207,7 +207,11 @@ async fn a_changed_file_gets_a_new_id_and_the_old_id_keeps_its_bytes() {
 #[tokio::test]
 async fn objects_and_deletion() {
     let broker = TestBroker::start("objects").await;
-    let form = Form::new().part("file", file_part("données.csv", CSV));
+    // Uploaded for user x, who reads it back by name (a session made without a user is
+    // invisible to named users).
+    let form = Form::new()
+        .text("user_id", "x")
+        .part("file", file_part("données.csv", CSV));
     let (_, up) = upload(&broker, "/upload", form).await;
     let s = up["session_id"].as_str().expect("session").to_string();
     let f = up["files"][0]["fileId"].as_str().expect("file").to_string();

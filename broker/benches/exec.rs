@@ -12,7 +12,9 @@
 //! LibreChat-like churn of many users (containers alive and memory over time).
 //!
 //! `BENCH_QUICK=1` runs every row with small counts (a smoke run of a minute or two);
-//! `BENCH_N` multiplies the counts of the full run.
+//! `BENCH_N` multiplies the counts of the full run. `BENCH_ROWS=warm,new` runs only the
+//! named groups (`warm`, `new`, `burst`, `files`, `idle`, `churn`), e.g. to compare
+//! runtimes (`CODEBROKER_RUNTIME=runsc`, read by the broker and the `docker run` baseline).
 
 use codebroker::config::Config;
 use serde_json::{json, Value};
@@ -22,6 +24,22 @@ use std::time::{Duration, Instant};
 /// The image the broker under test uses: `CODEBROKER_IMAGE`, as the broker reads it.
 fn image() -> String {
     std::env::var("CODEBROKER_IMAGE").unwrap_or_else(|_| "codebroker-sandbox:latest".into())
+}
+
+/// Whether the row group `name` runs: every group unless `BENCH_ROWS` names some.
+fn wanted(name: &str) -> bool {
+    std::env::var("BENCH_ROWS")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .is_none_or(|v| v.split(',').any(|g| g.trim() == name))
+}
+
+/// `--runtime <name>` for a baseline `docker run`, as the broker runs its sandboxes.
+fn runtime_args() -> Vec<String> {
+    match std::env::var("CODEBROKER_RUNTIME") {
+        Ok(r) if !r.trim().is_empty() => vec!["--runtime".into(), r.trim().to_string()],
+        _ => Vec::new(),
+    }
 }
 
 /// How many samples rows take: the full run or the smoke run.
@@ -306,9 +324,11 @@ async fn main() {
             .trim()
     );
     println!(
-        "command: BENCH_QUICK={} BENCH_N={} CODEBROKER_IMAGE={} {}",
+        "command: BENCH_QUICK={} BENCH_N={} BENCH_ROWS={} CODEBROKER_RUNTIME={} CODEBROKER_IMAGE={} {}",
         std::env::var("BENCH_QUICK").unwrap_or_default(),
         scale.n,
+        std::env::var("BENCH_ROWS").unwrap_or_default(),
+        std::env::var("CODEBROKER_RUNTIME").unwrap_or_default(),
         image(),
         command.join(" ")
     );
@@ -316,12 +336,24 @@ async fn main() {
     let mut rows = Vec::new();
     let mut notes: Vec<String> = Vec::new();
 
-    warm_rows(scale, tmp.path(), &mut rows).await;
-    new_session_rows(scale, tmp.path(), &mut rows).await;
-    burst_rows(scale, tmp.path(), &mut rows, &mut notes).await;
-    file_rows(scale, tmp.path(), &mut rows).await;
-    idle_rows(scale, tmp.path(), &mut rows).await;
-    churn_rows(scale, tmp.path(), &mut rows, &mut notes).await;
+    if wanted("warm") {
+        warm_rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("new") {
+        new_session_rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("burst") {
+        burst_rows(scale, tmp.path(), &mut rows, &mut notes).await;
+    }
+    if wanted("files") {
+        file_rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("idle") {
+        idle_rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("churn") {
+        churn_rows(scale, tmp.path(), &mut rows, &mut notes).await;
+    }
 
     println!(
         "load after: {}",
@@ -597,19 +629,13 @@ async fn warm_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
 /// The first exec of a new session: pool warm, no pool, `docker run`, `import pandas`.
 async fn new_session_rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
     let mut docker_run = Vec::new();
+    let runtime = runtime_args();
     for _ in 0..scale.pick(10, 3) {
-        docker_run.push(time_command(&[
-            "docker",
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--entrypoint",
-            "python3",
-            &image(),
-            "-c",
-            "print(1)",
-        ]));
+        let image = image();
+        let mut args = vec!["docker", "run", "--rm", "--network", "none"];
+        args.extend(runtime.iter().map(String::as_str));
+        args.extend(["--entrypoint", "python3", &image, "-c", "print(1)"]);
+        docker_run.push(time_command(&args));
     }
     let run50 = p50(&docker_run);
 

@@ -1,0 +1,361 @@
+//! Sandboxed code against the broker's streaming paths: display events in a loop (code
+//! mode and `/exec/stream`, with a client that stops reading), one large file shown again
+//! and again, and large tool-call frames in a loop. The broker runs as a child process so
+//! its memory and CPU are its own.
+
+mod common;
+
+use rmcp::model::{CallToolRequestParams, ClientConfig};
+use rmcp::service::RunningService;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+
+/// Growth of the broker's RSS the tests allow while an attack runs (the issue's figure).
+const MAX_GROWTH_KIB: u64 = 64 * 1024;
+
+/// The note an exec's answer carries once when display events were dropped.
+const DROPPED: &str = "Display events beyond";
+
+/// Python that finds the kernel and sends display events of `size` bytes straight on its
+/// event channel for `secs` seconds; its value is how many it sent.
+fn flood_py(secs: u32, size: usize) -> String {
+    format!(
+        "import gc, time\n\
+         k = next(o for o in gc.get_objects() if type(o).__name__ == 'Kernel')\n\
+         blob = 'A' * {size}\n\
+         t = time.time(); n = 0\n\
+         while time.time() - t < {secs}:\n\
+         \x20   k.channel.send({{'event': 'display', 'id': k.request_id, 'mime': 'text/plain', 'data': blob}})\n\
+         \x20   n += 1\n"
+    )
+}
+
+#[path = "common/child.rs"]
+mod child;
+use child::ChildBroker;
+
+/// The broker binary without auth, whose single-use sessions keep their containers, with
+/// `env` on top.
+async fn start(tag: &str, env: &[(&str, &str)]) -> ChildBroker {
+    let mut all = vec![
+        ("CODEBROKER_AUTH", "none"),
+        ("CODEBROKER_SINGLE_USE_TTL_SECS", "0"),
+    ];
+    all.extend_from_slice(env);
+    ChildBroker::start(tag, &all).await
+}
+
+fn rss_kib(broker: &ChildBroker) -> u64 {
+    broker.status_bytes("VmRSS") / 1024
+}
+
+async fn exec(broker: &ChildBroker, body: Value) -> Value {
+    reqwest::Client::new()
+        .post(broker.url("/exec"))
+        .json(&body)
+        .timeout(Duration::from_secs(180))
+        .send()
+        .await
+        .expect("/exec answers")
+        .json()
+        .await
+        .expect("json")
+}
+
+type Client = RunningService<RoleClient, ClientConfig>;
+
+async fn mcp(broker: &ChildBroker) -> Client {
+    let transport = StreamableHttpClientTransport::from_config(
+        StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp")),
+    );
+    ClientConfig::default()
+        .serve(transport)
+        .await
+        .expect("MCP client")
+}
+
+/// Code mode's `execute`: its structured `{result, logs, error}`.
+async fn execute(client: &Client, lang: &str, code: &str) -> Value {
+    let Value::Object(args) = json!({"lang": lang, "code": code}) else {
+        unreachable!()
+    };
+    let result = client
+        .call_tool(CallToolRequestParams::new("execute".to_string()).with_arguments(args))
+        .await
+        .expect("execute");
+    result.structured_content.expect("structuredContent")
+}
+
+/// Samples the broker's RSS while `work` runs; fails as soon as it grew past the limit
+/// (the broker is then killed by the drop, before it takes the machine).
+async fn watch_rss<T>(broker: &ChildBroker, work: impl std::future::Future<Output = T>) -> T {
+    let before = rss_kib(broker);
+    tokio::pin!(work);
+    let mut peak = before;
+    loop {
+        tokio::select! {
+            out = &mut work => {
+                eprintln!("broker RSS: {before} KiB before, {peak} KiB at most");
+                return out;
+            }
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {
+                let now = rss_kib(broker);
+                peak = peak.max(now);
+                assert!(
+                    now.saturating_sub(before) < MAX_GROWTH_KIB,
+                    "broker RSS grew from {before} KiB to {now} KiB"
+                );
+            }
+        }
+    }
+}
+
+fn count(text: &str, needle: &str) -> usize {
+    text.matches(needle).count()
+}
+
+#[tokio::test]
+async fn codemode_display_flood_is_dropped_and_memory_stays_bounded() {
+    let broker = start(
+        "hs-cm-display",
+        &[
+            ("CODEBROKER_CODEMODE", "true"),
+            ("CODEBROKER_CODEMODE_TIMEOUT_MS", "40000"),
+        ],
+    )
+    .await;
+    let client = mcp(&broker).await;
+    let warm = execute(&client, "py", "1 + 1").await;
+    assert_eq!(warm["result"], 2, "{warm}");
+
+    let code = format!("{}n\n", flood_py(25, 1_000_000));
+    let out = watch_rss(&broker, execute(&client, "py", &code)).await;
+    let sent = out["result"].as_u64().unwrap_or(0);
+    // 8 MiB of display per exec by default: 16 events of 1 MB are well past it.
+    assert!(sent > 16, "the loop must outrun the budget: {out}");
+    let logs = out["logs"].to_string();
+    assert_eq!(count(&logs, DROPPED), 1, "said once: {logs}");
+
+    // The same MCP session goes on.
+    let next = execute(&client, "py", "40 + 2").await;
+    assert_eq!(next["result"], 42, "{next}");
+}
+
+/// Writes a streamed exec request on a raw socket with a tiny receive buffer and never
+/// reads the answer.
+async fn stalled_stream(broker: &ChildBroker, body: &Value) -> tokio::net::TcpStream {
+    let addr: std::net::SocketAddr = broker.base["http://".len()..].parse().expect("addr");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let body = body.to_string();
+    let head = format!(
+        "POST /exec/stream HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    stream.write_all(body.as_bytes()).await.expect("write");
+    stream
+}
+
+#[tokio::test]
+async fn stream_client_that_stops_reading_holds_the_exec_not_memory() {
+    let broker = start("hs-stalled", &[]).await;
+    let first = exec(
+        &broker,
+        json!({"lang": "py", "code": "x = 41\nprint('set')"}),
+    )
+    .await;
+    assert_eq!(first["stdout"], "set\n", "{first}");
+    let session = first["session_id"].as_str().expect("session").to_string();
+
+    // Events of 100 kB: more of them per second than of 1 MB.
+    let body = json!({"lang": "py", "session_id": session, "timeout_ms": 40000,
+                      "code": flood_py(25, 100_000)});
+    let stalled = stalled_stream(&broker, &body).await;
+    // A bystander session keeps working while the stalled one holds its exec.
+    let bystander = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let started = Instant::now();
+        let out = exec(&broker, json!({"lang": "bash", "code": "echo fine"})).await;
+        assert_eq!(out["stdout"], "fine\n", "{out}");
+        started.elapsed()
+    };
+    let took = watch_rss(&broker, async {
+        let took = bystander.await;
+        tokio::time::sleep(Duration::from_secs(25).saturating_sub(took)).await;
+        took
+    })
+    .await;
+    assert!(took < Duration::from_secs(30), "bystander took {took:?}");
+
+    // The client goes away: the exec is cancelled, the session's next exec runs.
+    drop(stalled);
+    let started = Instant::now();
+    let next = exec(
+        &broker,
+        json!({"lang": "py", "session_id": session, "code": "print('next')"}),
+    )
+    .await;
+    assert_eq!(next["stdout"], "next\n", "{next}");
+    assert!(
+        started.elapsed() < Duration::from_secs(40),
+        "the next exec waited {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn display_loop_of_one_large_file_sends_bounded_bytes() {
+    let broker = start("hs-bigfile", &[]).await;
+    let code = "import gc, os\n\
+                open('/mnt/data/big.png', 'wb').write(os.urandom(4 << 20))\n\
+                k = next(o for o in gc.get_objects() if type(o).__name__ == 'Kernel')\n\
+                for _ in range(1000):\n\
+                \x20   k.display('image/png', 'big.png')\n\
+                print('shown')\n";
+    let response = reqwest::Client::new()
+        .post(broker.url("/exec/stream"))
+        .header("accept", "application/x-ndjson")
+        .json(&json!({"lang": "py", "code": code, "timeout_ms": 60000}))
+        .timeout(Duration::from_secs(180))
+        .send()
+        .await
+        .expect("/exec/stream");
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut received = Vec::new();
+    while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+        received.extend_from_slice(&chunk.expect("chunk"));
+        assert!(
+            received.len() < 64 << 20,
+            "more than 64 MiB sent for one exec and still going"
+        );
+    }
+    let events: Vec<Value> = received
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("NDJSON"))
+        .collect();
+    let displays = events.iter().filter(|e| e["event"] == "display").count();
+    let inlined = events
+        .iter()
+        .filter(|e| e["event"] == "display" && e["data"]["data"].is_string())
+        .count();
+    let result = events.last().expect("events");
+    assert_eq!(result["event"], "result", "{result}");
+    let stderr = result["data"]["stderr"].as_str().unwrap_or_default();
+    eprintln!(
+        "{} bytes sent, {displays} display events, {inlined} inlined",
+        received.len()
+    );
+    assert_eq!(result["data"]["stdout"], "shown\n", "{result}");
+    assert!(
+        received.len() < 24 << 20,
+        "{} bytes sent for one exec",
+        received.len()
+    );
+    assert!((1..=256).contains(&displays), "{displays} display events");
+    assert!(inlined >= 1, "a first display of the file is still inlined");
+    assert_eq!(count(stderr, DROPPED), 1, "said once: {stderr}");
+
+    // The next exec of the session shows the file again, inlined: the budget is per exec.
+    let session = result["data"]["session_id"].as_str().expect("session");
+    let again = reqwest::Client::new()
+        .post(broker.url("/exec/stream"))
+        .header("accept", "application/x-ndjson")
+        .json(&json!({"lang": "py", "session_id": session,
+                      "code": "k.display('image/png', 'big.png')"}))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("/exec/stream")
+        .text()
+        .await
+        .expect("body");
+    assert!(again.contains("\"event\":\"display\""), "{again:.300}");
+    assert!(again.len() > 4 << 20, "the file is inlined again");
+}
+
+#[tokio::test]
+async fn tool_call_frames_of_4_mib_in_a_loop_do_not_pin_the_broker() {
+    let broker = start(
+        "hs-frames",
+        &[
+            ("CODEBROKER_CODEMODE", "true"),
+            ("CODEBROKER_CODEMODE_TIMEOUT_MS", "40000"),
+        ],
+    )
+    .await;
+    // One attacker per core, as the review ran it.
+    let attackers = [mcp(&broker).await, mcp(&broker).await];
+    for client in &attackers {
+        let warm = execute(client, "js", "return 1").await;
+        assert_eq!(warm["result"], 1, "{warm}");
+    }
+    let bystander = exec(&broker, json!({"lang": "bash", "code": "echo warm"})).await;
+    let bystander_session = bystander["session_id"]
+        .as_str()
+        .expect("session")
+        .to_string();
+
+    let code = "const big = 'A'.repeat(4_000_000); const t = Date.now(); let n = 0;\n\
+                while (Date.now() - t < 15000) {\n\
+                  try { await codemode.env.get({key: big}); } catch (e) {}\n\
+                  n++;\n\
+                }\n\
+                return n;";
+    let cpu_before = broker.cpu();
+    let attack = futures::future::join_all(attackers.iter().map(|c| execute(c, "js", code)));
+    let probe = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let client = reqwest::Client::new();
+        let mut slowest = Duration::ZERO;
+        for _ in 0..10 {
+            let started = Instant::now();
+            let health = client
+                .get(broker.url("/health"))
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .expect("/health");
+            assert!(health.status().is_success());
+            slowest = slowest.max(started.elapsed());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let started = Instant::now();
+        let out = exec(
+            &broker,
+            json!({"lang": "bash", "session_id": bystander_session, "code": "echo still"}),
+        )
+        .await;
+        assert_eq!(out["stdout"], "still\n", "{out}");
+        (slowest, started.elapsed())
+    };
+    let (results, (health, warm_exec)) = tokio::join!(attack, probe);
+    let cpu = broker.cpu() - cpu_before;
+    let calls: u64 = results
+        .iter()
+        .map(|r| r["result"].as_u64().unwrap_or(0))
+        .sum();
+    eprintln!(
+        "{calls} calls of 4 MB; broker CPU {cpu:?} ({:?} per call); slowest /health {health:?}; \
+         warm exec {warm_exec:?}",
+        cpu / calls.max(1) as u32
+    );
+    assert!(calls >= 5, "the attack hardly ran: {results:?}");
+    assert!(
+        cpu / (calls as u32) < Duration::from_millis(60),
+        "broker CPU {cpu:?} for {calls} frames of 4 MB"
+    );
+    assert!(health < Duration::from_secs(2), "/health took {health:?}");
+    assert!(
+        warm_exec < Duration::from_secs(10),
+        "a warm exec took {warm_exec:?}"
+    );
+}
