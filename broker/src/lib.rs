@@ -4,29 +4,23 @@
 //! binary in `main.rs` only parses the configuration and calls it.
 
 pub mod audit;
-pub mod auth;
-pub mod broker;
 pub mod cli;
-pub mod codemode;
 pub mod config;
-mod diskspace;
-pub mod error;
+pub mod core;
 pub mod http;
 pub mod identity;
 pub mod ids;
-pub mod jwt;
 pub mod mcp;
 pub mod metrics;
-pub mod ratelimit;
 pub mod sandbox;
-mod server;
 pub mod session;
 pub mod smoke;
-pub mod storage;
 pub mod workspace;
 
-use crate::broker::Broker;
+pub use mcp::codemode;
+
 use crate::config::Config;
+use crate::core::Broker;
 use crate::sandbox::DockerBackend;
 use anyhow::Context;
 use std::future::Future;
@@ -38,7 +32,8 @@ use tokio::net::TcpListener;
 /// containers: everything `run` needs, ready to serve.
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
-    let jwt = jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
+    let jwt =
+        http::jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
     if identity::check(config.sandbox_uid)? == identity::Identity::SameAsSandbox {
         tracing::warn!(
             uid = config.sandbox_uid,
@@ -98,12 +93,12 @@ pub async fn run(
     let stopping = state.shutdown.clone();
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
-    let limits = server::ServeLimits {
+    let limits = http::server::ServeLimits {
         max_connections: broker.config.max_connections,
         header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
     };
     let signalled = stop_tx.clone();
-    let served = server::serve(listener, app, limits, async move {
+    let served = http::server::serve(listener, app, limits, async move {
         shutdown.await;
         tracing::info!("stopping: no new connections; waiting for the requests under way");
         // The pool stops refilling at once: containers started now would only be removed.

@@ -2,7 +2,7 @@
 //! counters the handlers and the core bump, and gauges read from the broker at scrape time.
 
 use crate::audit::Audit;
-use crate::broker::{ExecInput, ExecOutput};
+use crate::core::{ExecInput, ExecOutput};
 use crate::session::Session;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

@@ -1,9 +1,9 @@
 //! `POST /exec`: run code in a session and answer with its output and files.
 
 use super::{ApiJson, AppState};
-use crate::auth::Caller;
-use crate::broker::{ExecHooks, ExecInput, ExecOutput, InputFile, SessionChoice};
-use crate::error::{AppError, AppResult};
+use crate::core::{ExecHooks, ExecInput, ExecOutput, InputFile, SessionChoice};
+use crate::http::auth::Caller;
+use crate::http::error::{AppError, AppResult};
 use crate::ids::is_valid_id;
 use axum::body::Body;
 use axum::body::Bytes;

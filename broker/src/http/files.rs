@@ -2,12 +2,12 @@
 //! (API.md, "Files"), for both contract generations.
 
 use super::AppState;
-use crate::auth::Caller;
-use crate::broker::Broker;
-use crate::error::{AppError, AppResult};
+use crate::core::files::{StagedFile, UploadOptions};
+use crate::core::Broker;
+use crate::http::auth::Caller;
+use crate::http::error::{AppError, AppResult};
 use crate::ids::{is_valid_id, new_id};
 use crate::session::Session;
-use crate::storage::{StagedFile, UploadOptions};
 use crate::workspace::{content_type, FileRecord};
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};

@@ -1,7 +1,7 @@
 //! `GET /health` (no auth) and `GET /libraries`.
 
 use super::AppState;
-use crate::error::AppResult;
+use crate::http::error::AppResult;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
@@ -56,7 +56,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
     });
     // How busy the broker is only to callers that could see it anyway.
-    if crate::auth::authenticated(&state, &headers) {
+    if crate::http::auth::authenticated(&state, &headers) {
         body["sessions"] = json!(broker.registry.len());
         body["sandboxes"] = json!({
             "live": broker.live_sandboxes(),

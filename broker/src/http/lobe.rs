@@ -10,9 +10,9 @@
 
 use super::exec::ExecBody;
 use super::{AppState, GatewayJson};
-use crate::auth::{key_matches, require_auth, Caller};
 use crate::config::{AuthMode, Config};
-use crate::error::{AppError, AppResult};
+use crate::http::auth::{key_matches, require_auth, Caller};
+use crate::http::error::{AppError, AppResult};
 use crate::ids::is_valid_id;
 use crate::mcp::{download_url, inline_image_mime};
 use axum::extract::{Request, State};
@@ -213,7 +213,7 @@ async fn run(
 
 /// The answer: output in fenced blocks, images as `![](url)`, other files as links, and
 /// the session to pass next time.
-fn markdown(output: &crate::broker::ExecOutput, public_url: &str) -> String {
+fn markdown(output: &crate::core::ExecOutput, public_url: &str) -> String {
     let mut md = String::new();
     if !output.stdout.is_empty() {
         md.push_str("stdout:\n\n");
@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn markdown_has_output_images_links_and_session() {
-        let output = crate::broker::ExecOutput {
+        let output = crate::core::ExecOutput {
             session_id: "S".repeat(21),
             stdout: "42\n".into(),
             stderr: String::new(),

@@ -1,18 +1,22 @@
 //! The HTTP API: one module per resource, each with its `router()`, merged here and served
 //! at `/` and again under `/v1` (LibreChat's default base URL ends in `/v1`).
 
+pub mod auth;
+pub mod error;
 pub mod exec;
 pub mod files;
 pub mod health;
+pub mod jwt;
 pub mod lobe;
 pub mod openapi;
 pub mod playground;
 pub mod programmatic;
+pub(crate) mod server;
 
-use crate::auth::{require_auth, BUDGET_UNIT};
-use crate::broker::Broker;
 use crate::config::AuthMode;
-use crate::error::AppError;
+use crate::core::Broker;
+use crate::http::auth::{require_auth, BUDGET_UNIT};
+use crate::http::error::AppError;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
 use axum::http::header;

@@ -4,7 +4,7 @@
 //! The page is public; the API calls it makes carry the key the user enters.
 
 use super::AppState;
-use crate::error::AppError;
+use crate::http::error::AppError;
 use axum::extract::Path;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};

@@ -7,9 +7,9 @@
 
 use super::exec::{output_json, Args, ExecBody, FileRef};
 use super::{ApiJson, AppState};
-use crate::auth::Caller;
-use crate::broker::{ExecHooks, ExecOutput, ToolBridge};
-use crate::error::{AppError, AppResult};
+use crate::core::{ExecHooks, ExecOutput, ToolBridge};
+use crate::http::auth::Caller;
+use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::session::visible;
 use axum::extract::State;

@@ -1,11 +1,15 @@
 //! The core shared by every front end (HTTP, and later MCP): choosing a session, running
 //! one exec in it, harvesting its files, and keeping containers tidy.
 
+pub mod diskspace;
+pub mod files;
+pub mod limits;
+
 use crate::config::Config;
-use crate::error::{AppError, AppResult};
+use crate::core::limits::Limits;
+use crate::http::error::{AppError, AppResult};
+use crate::http::jwt::JwtKeys;
 use crate::ids::{is_valid_id, new_id};
-use crate::jwt::JwtKeys;
-use crate::ratelimit::Limits;
 use crate::sandbox::{docker::short, ChannelError, DockerBackend, Sandbox};
 use crate::session::evict::{self, Reason};
 use crate::session::registry::META_FILE;
@@ -264,7 +268,7 @@ impl Broker {
         hint: Option<&str>,
         for_exec: bool,
     ) -> AppResult<Arc<Session>> {
-        crate::diskspace::check_room_for_new_session(
+        crate::core::diskspace::check_room_for_new_session(
             &self.config.data_dir,
             self.config.min_free_disk,
         )?;
@@ -630,7 +634,8 @@ impl Broker {
                     *session.index() = index;
                 } else {
                     *session.index() = index.clone();
-                    crate::storage::delete_unused_blobs(&session.workspace, &index, unused).await;
+                    crate::core::files::delete_unused_blobs(&session.workspace, &index, unused)
+                        .await;
                 }
                 Ok((
                     report.files.into_iter().map(|h| h.record).collect(),

@@ -1,7 +1,7 @@
 //! MCP over streamable HTTP at `/mcp` (API.md, "MCP"), with the official SDK `rmcp`.
 //!
 //! Tools: `execute_code`, `upload_file`, `list_files`, `read_file`; with code mode on
-//! (`CODEBROKER_CODEMODE`) also `execute` and `search` ([`crate::codemode`]). The route sits behind the
+//! (`CODEBROKER_CODEMODE`) also `execute` and `search` ([`crate::mcp::codemode`]). The route sits behind the
 //! same auth as the rest of the API; the caller (a JWT's user, or the one an API-key caller
 //! names) comes from the HTTP request, which rmcp hands to each tool call.
 //!
@@ -11,16 +11,18 @@
 //! away with the MCP session. Clients on the session-less protocol (2026-07-28) get a new
 //! codebroker session per call unless they pass `session_id`, which every result names.
 
-use crate::auth::Caller;
-use crate::broker::{Broker, ExecHooks, ExecInput, ExecOutput, SessionChoice};
-use crate::codemode::CodeMode;
-use crate::error::AppError;
+pub mod codemode;
+
+use crate::core::files::{StagedFile, UploadOptions};
+use crate::core::{Broker, ExecHooks, ExecInput, ExecOutput, SessionChoice};
+use crate::http::auth::Caller;
+use crate::http::error::AppError;
 use crate::http::exec::output_json;
 use crate::http::files::visible_session;
 use crate::http::AppState;
 use crate::ids::{is_valid_id, new_id};
+use crate::mcp::codemode::CodeMode;
 use crate::session::Session;
-use crate::storage::{StagedFile, UploadOptions};
 use crate::workspace::{content_type, FileRecord};
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
@@ -89,7 +91,7 @@ async fn cap_sessions(
     if max > 0 && opens {
         let open = sessions.sessions.read().await.len();
         if open >= max {
-            return crate::error::AppError::Unavailable(format!(
+            return crate::http::error::AppError::Unavailable(format!(
                 "{open} MCP sessions are open, the most this broker keeps \
                  (CODEBROKER_MAX_MCP_SESSIONS); close one or retry after idle ones expire"
             ))

@@ -2,7 +2,7 @@
 //! are refused with 503, so that a filling disk stops growth before workspaces, blobs and
 //! the index can no longer be written. Sessions that exist keep running.
 
-use crate::error::{AppError, AppResult};
+use crate::http::error::{AppError, AppResult};
 use std::path::Path;
 
 /// Bytes available to the broker (not root's reserve) on the volume holding `dir`.

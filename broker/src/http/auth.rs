@@ -6,9 +6,9 @@
 //! `?kind=user&id=U`).
 
 use crate::config::AuthMode;
-use crate::error::AppError;
+use crate::http::error::AppError;
+use crate::http::jwt::looks_like_jwt;
 use crate::http::AppState;
-use crate::jwt::looks_like_jwt;
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;

@@ -237,12 +237,12 @@ mod tests {
     use jsonwebtoken::{encode, EncodingKey, Header};
     use serde_json::{json, Value};
 
-    const ED_A: &str = include_str!("../../tests/keys/ed25519_a.pem");
-    const ED_A_PUB: &str = include_str!("../../tests/keys/ed25519_a.pub.pem");
-    const ED_B: &str = include_str!("../../tests/keys/ed25519_b.pem");
-    const ED_B_PUB: &str = include_str!("../../tests/keys/ed25519_b.pub.pem");
-    const RSA_A: &str = include_str!("../../tests/keys/rsa_a.pem");
-    const RSA_A_PUB: &str = include_str!("../../tests/keys/rsa_a.pub.pem");
+    const ED_A: &str = include_str!("../../../tests/keys/ed25519_a.pem");
+    const ED_A_PUB: &str = include_str!("../../../tests/keys/ed25519_a.pub.pem");
+    const ED_B: &str = include_str!("../../../tests/keys/ed25519_b.pem");
+    const ED_B_PUB: &str = include_str!("../../../tests/keys/ed25519_b.pub.pem");
+    const RSA_A: &str = include_str!("../../../tests/keys/rsa_a.pem");
+    const RSA_A_PUB: &str = include_str!("../../../tests/keys/rsa_a.pub.pem");
 
     fn now() -> u64 {
         SystemTime::now()

@@ -13,7 +13,7 @@
 //! (`User-Id`, a JWT) gets a budget per user.
 
 use crate::config::Config;
-use crate::error::{AppError, AppResult};
+use crate::http::error::{AppError, AppResult};
 use crate::session::Registry;
 use crate::workspace::now_ms;
 use std::collections::HashMap;

@@ -15,9 +15,9 @@
 //! only) in JavaScript/TypeScript and Python, and reports the code's value and error through
 //! one more, internal tool ([`RESULT_TOOL`]).
 
-use crate::broker::{Broker, ExecHooks, ExecInput, ToolBridge};
 use crate::config::Config;
-use crate::error::AppError;
+use crate::core::{Broker, ExecHooks, ExecInput, ToolBridge};
+use crate::http::error::AppError;
 use crate::session::Session;
 use rmcp::model::{CallToolRequestParams, ClientConfig};
 use rmcp::service::{RunningService, ServiceError};

@@ -421,7 +421,7 @@ pub struct HarvestLimits {
 }
 
 /// What a session's stored versions may take: the smaller of its own budget and what its
-/// user's budget leaves it (see `crate::storage`).
+/// user's budget leaves it (see `crate::core::files`).
 #[derive(Debug, Clone, Copy)]
 pub struct StorageBudget {
     /// Bytes the session's versions may cost in all (`u64::MAX`: no budget).

@@ -2,8 +2,8 @@
 //! Blocking disk work runs on the blocking pool; each session's index changes only while
 //! its turn is held, so an exec's harvest and an upload never overwrite each other.
 
-use crate::broker::{Broker, InputFile};
-use crate::error::{AppError, AppResult};
+use crate::core::{Broker, InputFile};
+use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::session::Session;
 use crate::workspace::{
