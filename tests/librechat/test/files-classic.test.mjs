@@ -1,5 +1,5 @@
 // The file routes as classic LibreChat (up to about v0.8.4) calls them, in plain HTTP,
-// written to /work/shared/API.md ("Files") and to LibreChat's own calls:
+// written to docs/API.md ("Files") and to LibreChat's own calls:
 //   upload   api/server/services/Files/Code/crud.js uploadCodeEnvFile: multipart `entity_id`
 //            (when set) then `file`, headers X-API-Key + User-Id; reads
 //            `${session_id}/${files[0].fileId}` from the answer

@@ -1,5 +1,5 @@
 // The file routes as LibreChat v0.8.5+ calls them, in plain HTTP, written to
-// /work/shared/API.md ("Files"): uploads carry `kind` / `id` / `version` instead of
+// docs/API.md ("Files"): uploads carry `kind` / `id` / `version` instead of
 // `entity_id`, single (`/upload`) or batched (`/upload/batch`); the upload is addressed by
 // its storage session, checked with GET /sessions/{S}/objects/{F} and removed with DELETE
 // on the same path; exec refs are {id, resource_id, storage_session_id, name, kind[, version]}.
