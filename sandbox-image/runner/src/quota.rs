@@ -141,12 +141,12 @@ fn walk(dir: &Path, usage: &mut Usage, budget: &mut u64, depth: usize) {
 }
 
 /// The pause before the next measurement, given how long the last one took.
-pub fn interval(last_walk: Duration) -> Duration {
+fn interval(last_walk: Duration) -> Duration {
     (last_walk * 4).max(MIN_INTERVAL)
 }
 
 /// Measures and times one walk.
-pub fn timed_measure(quota: &Quota) -> (Usage, Duration) {
+fn timed_measure(quota: &Quota) -> (Usage, Duration) {
     let started = Instant::now();
     let usage = quota.measure();
     (usage, started.elapsed())
