@@ -13,7 +13,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint librechat-test lobe-test playground-test daemon-test leftovers test-runsc
+.PHONY: image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -25,6 +25,7 @@ test: image
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p sandbox-runner --tests
 	$(CARGO) test -p codebroker --tests -- --test-threads=4
+	$(MAKE) --no-print-directory kernel-test
 	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
 	$(MAKE) --no-print-directory playground-test
@@ -51,6 +52,13 @@ test-runsc: image
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:
 	.ci/leftovers
+
+# kernel.py's own tests over its fd 3/fd 4 protocol, run in the image (its Python, numpy
+# and matplotlib) with the kernels directory mounted read-only: the tests are not shipped.
+kernel-test:
+	docker run --rm --network none --entrypoint python3 \
+		-v "$(CURDIR)/sandbox-image/kernels:/opt/kernel-test:ro" \
+		$(IMAGE) /opt/kernel-test/test_kernel.py
 
 # The real LibreChat client (@librechat/agents, three generations) and LibreChat's file
 # flows against the debug broker binary; ends with node's test summary.

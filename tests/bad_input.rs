@@ -3,6 +3,7 @@
 mod common;
 
 use common::TestBroker;
+use sandbox_runner::language::LANGUAGES;
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -109,8 +110,19 @@ async fn health_and_libraries() {
     let health: Value = broker.get("/v1/health").await.json().await.expect("json");
     assert_eq!(health["status"], "ok", "{health}");
     assert_eq!(health["image"]["present"], true);
-    assert_eq!(health["languages"].as_array().map(|a| a.len()), Some(13));
+    assert_eq!(
+        health["languages"].as_array().map(|a| a.len()),
+        Some(LANGUAGES.len())
+    );
     let libs: Value = broker.get("/libraries").await.json().await.expect("json");
+    for spec in LANGUAGES {
+        // list-libraries.py keeps its own list of version commands.
+        assert!(
+            libs[spec.name]["version"].is_string(),
+            "{}: {libs}",
+            spec.name
+        );
+    }
     let py = libs["py"]["packages"].as_array().expect("py packages");
     for want in ["numpy", "pandas", "matplotlib"] {
         assert!(

@@ -3,35 +3,17 @@
 mod common;
 
 use common::{stderr, stdout, TestBroker};
+use sandbox_runner::language::LANGUAGES;
 use serde_json::json;
-
-const HELLO: &[(&str, &str)] = &[
-    ("py", "print('hello from py')"),
-    ("js", "console.log('hello from js')"),
-    ("ts", "const who: string = 'ts';\nconsole.log(`hello from ${who}`);"),
-    ("c", "#include <stdio.h>\nint main(void) { printf(\"hello from c\\n\"); return 0; }"),
-    ("cpp", "#include <iostream>\nint main() { std::cout << \"hello from cpp\" << std::endl; }"),
-    ("java", "public class Greeter {\n  public static void main(String[] a) { System.out.println(\"hello from java\"); }\n}"),
-    ("php", "<?php echo \"hello from php\\n\";"),
-    ("rs", "fn main() { println!(\"hello from rs\"); }"),
-    ("go", "package main\nimport \"fmt\"\nfunc main() { fmt.Println(\"hello from go\") }"),
-    ("d", "import std.stdio;\nvoid main() { writeln(\"hello from d\"); }"),
-    ("f90", "program hello\n  print '(a)', 'hello from f90'\nend program hello"),
-    ("r", "cat('hello from r\\n')"),
-    ("bash", "echo hello from bash"),
-];
 
 #[tokio::test]
 async fn hello_world_in_every_language() {
     let broker = TestBroker::start("langs").await;
     let mut session: Option<String> = None;
-    for (lang, code) in HELLO {
+    for spec in LANGUAGES {
+        let (lang, code) = (spec.name, spec.hello);
         let resp = broker.run(lang, code, session.as_deref()).await;
-        assert_eq!(
-            stdout(&resp).trim(),
-            format!("hello from {lang}"),
-            "{lang}: {resp}"
-        );
+        assert_eq!(stdout(&resp).trim(), spec.hello_line(), "{lang}: {resp}");
         assert_eq!(resp["exit_code"], 0, "{lang}: {resp}");
         assert_eq!(resp["limits"], json!([]), "{lang}: {resp}");
         session = Some(common::session(&resp));

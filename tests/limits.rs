@@ -131,3 +131,21 @@ async fn a_long_exec_survives_a_client_with_a_5s_idle_timeout() {
     let body: serde_json::Value = serde_json::from_str(text.trim()).expect("JSON after whitespace");
     assert_eq!(stdout(&body).trim(), "done", "{body}");
 }
+
+#[tokio::test]
+async fn programs_and_the_kernel_are_the_oom_killers_first_choice() {
+    // The runner (PID 1, not dumpable, not root) stays; what it starts goes first.
+    let broker = TestBroker::start("oomadj").await;
+    let bash = broker
+        .run("bash", "cat /proc/self/oom_score_adj", None)
+        .await;
+    assert_eq!(stdout(&bash).trim(), "500", "{bash}");
+    let py = broker
+        .run(
+            "py",
+            "print(open('/proc/self/oom_score_adj').read().strip())",
+            None,
+        )
+        .await;
+    assert_eq!(stdout(&py).trim(), "500", "{py}");
+}

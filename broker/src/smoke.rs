@@ -6,6 +6,7 @@
 //! uploaded, changed by code and downloaded, a matplotlib plot, and a time limit.
 
 use anyhow::{anyhow, bail, ensure, Context};
+use sandbox_runner::Language;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -22,51 +23,6 @@ pub struct SmokeArgs {
     #[arg(long, default_value_t = 120)]
     pub request_timeout_secs: u64,
 }
-
-/// A hello world per language: `(lang, code, what stdout must contain)`.
-const HELLOS: &[(&str, &str, &str)] = &[
-    ("py", "print('hello from py')", "hello from py"),
-    ("js", "console.log('hello from js')", "hello from js"),
-    (
-        "ts",
-        "const who: string = 'ts'; console.log(`hello from ${who}`)",
-        "hello from ts",
-    ),
-    (
-        "c",
-        "#include <stdio.h>\nint main(void) { puts(\"hello from c\"); return 0; }",
-        "hello from c",
-    ),
-    (
-        "cpp",
-        "#include <iostream>\nint main() { std::cout << \"hello from cpp\" << std::endl; }",
-        "hello from cpp",
-    ),
-    (
-        "java",
-        "public class Hello { public static void main(String[] a) { System.out.println(\"hello from java\"); } }",
-        "hello from java",
-    ),
-    ("php", "<?php echo \"hello from php\\n\";", "hello from php"),
-    ("rs", "fn main() { println!(\"hello from rs\"); }", "hello from rs"),
-    (
-        "go",
-        "package main\nimport \"fmt\"\nfunc main() { fmt.Println(\"hello from go\") }",
-        "hello from go",
-    ),
-    (
-        "d",
-        "import std.stdio; void main() { writeln(\"hello from d\"); }",
-        "hello from d",
-    ),
-    (
-        "f90",
-        "program hello\n  print *, 'hello from f90'\nend program hello",
-        "hello from f90",
-    ),
-    ("r", "cat('hello from r\\n')", "hello from r"),
-    ("bash", "echo 'hello from bash'", "hello from bash"),
-];
 
 /// The client side of the checks: base URL, key, and the session they share.
 struct Smoke {
@@ -205,14 +161,16 @@ impl Smoke {
     }
 
     async fn hello(&mut self, lang: &str) -> anyhow::Result<String> {
-        let (_, code, expected) = HELLOS
-            .iter()
-            .find(|(l, _, _)| *l == lang)
-            .ok_or_else(|| anyhow!("no hello world for this language here"))?;
-        let out = self.exec(json!({ "lang": lang, "code": code })).await?;
+        let spec = lang
+            .parse::<Language>()
+            .map_err(|_| anyhow!("no hello world for this language here"))?
+            .spec();
+        let out = self
+            .exec(json!({ "lang": lang, "code": spec.hello }))
+            .await?;
         let stdout = out["stdout"].as_str().unwrap_or_default();
         ensure!(
-            stdout.contains(expected) && out["exit_code"] == 0,
+            stdout.contains(&spec.hello_line()) && out["exit_code"] == 0,
             "stdout {stdout:?}, stderr {:?}, exit {}",
             out["stderr"].as_str().unwrap_or_default(),
             out["exit_code"]

@@ -1,8 +1,8 @@
 """Tests of kernel.py over its real protocol: requests on fd 3, events on fd 4.
 
-On the host:       python3 -m pytest sandbox-image/kernels/test_kernel.py
-In the image (no pytest there):
-    docker run --rm --entrypoint python3 codebroker-sandbox:latest /opt/codebroker/test_kernel.py
+In the image, with numpy and matplotlib (no pytest there; the file is not shipped, so it is
+mounted): `make kernel-test`. On a host with numpy (matplotlib optional):
+    python3 -m pytest sandbox-image/kernels/test_kernel.py
 
 Each test starts its own kernel with a fresh temporary workspace (CODEBROKER_WORKDIR) and
 matplotlib config dir (MPLCONFIGDIR). The plot test needs matplotlib; it is skipped without it.

@@ -87,8 +87,8 @@ pub fn manifest_json(config: &Config) -> Value {
         "meta": {
             "title": "Code interpreter",
             "avatar": "🧑‍💻",
-            "description": "Run code in a sandbox (Python with plotting, JavaScript, TypeScript, \
-    C, C++, Java, Go, Rust, R, Bash and more): output, images and files come back.",
+            "description": format!("Run code in a sandbox ({}, with plotting in Python): \
+    output, images and files come back.", Language::titles()),
             "tags": ["code", "python", "interpreter", "sandbox"],
         },
         "systemRole": "runCode runs code in a sandbox without network. Files are read and \
@@ -106,8 +106,7 @@ pub fn manifest_json(config: &Config) -> Value {
                     "lang": {
                         "type": "string",
                         "enum": langs,
-                        "description": "The language: py for Python, js, ts, c, cpp, java, \
-    php, rs (Rust), go, d, f90 (Fortran), r or bash",
+                        "description": format!("The language: {}", Language::names_explained()),
                     },
                     "code": {
                         "type": "string",

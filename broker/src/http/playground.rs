@@ -10,10 +10,22 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use sandbox_runner::language::LANGUAGES;
+use serde_json::{json, Value};
+use std::sync::LazyLock;
 
 const INDEX_HTML: &str = include_str!("playground/index.html");
 const APP_JS: &str = include_str!("playground/app.js");
 const STYLE_CSS: &str = include_str!("playground/style.css");
+/// The sample program of each language, from the language table, as
+/// `[{"lang": "py", "code": "..."}, ...]`.
+static SAMPLES_JSON: LazyLock<String> = LazyLock::new(|| {
+    let samples: Vec<_> = LANGUAGES
+        .iter()
+        .map(|l| json!({ "lang": l.name, "code": l.hello }))
+        .collect();
+    Value::Array(samples).to_string()
+});
 
 /// The page only talks to its own origin; inline scripts and other hosts are refused.
 const CSP: &str = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; \
@@ -45,12 +57,12 @@ async fn page() -> Response {
         .into_response()
 }
 
-/// The playground's script and style sheet.
+/// The playground's script, style sheet and sample programs.
 #[utoipa::path(
     get,
     path = "/playground/{asset}",
     tag = "playground",
-    params(("asset" = String, Path, description = "`app.js` or `style.css`")),
+    params(("asset" = String, Path, description = "`app.js`, `style.css` or `samples.json`")),
     responses(
         (status = 200, description = "The asset"),
         (status = 404, description = "No such asset", body = crate::http::openapi::ErrorBody),
@@ -60,6 +72,7 @@ async fn asset(Path(asset): Path<String>) -> Result<Response, AppError> {
     let (content_type, body) = match asset.as_str() {
         "app.js" => ("text/javascript; charset=utf-8", APP_JS),
         "style.css" => ("text/css; charset=utf-8", STYLE_CSS),
+        "samples.json" => ("application/json", SAMPLES_JSON.as_str()),
         _ => return Err(AppError::NotFound(format!("no playground asset {asset:?}"))),
     };
     Ok((

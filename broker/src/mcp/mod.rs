@@ -168,8 +168,11 @@ pub fn inline_image_mime(name: &str) -> Option<&'static str> {
 /// `execute_code` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct ExecuteCodeArgs {
-    /// Language: py, js, ts, c, cpp, java, php, rs, go, d, f90, r or bash (python,
-    /// javascript, typescript, sh and the like work too).
+    /// The language, by the names of the language table.
+    #[schemars(description = format!(
+        "Language: {} (python, javascript, typescript, sh and the like work too).",
+        Language::names(" or ")
+    ))]
     pub lang: String,
     /// The program. Its working directory is /mnt/data, where uploaded files are and where
     /// files it writes are collected; matplotlib figures shown with plt.show() come back as
@@ -315,11 +318,11 @@ descriptions, best matches first, with their TypeScript declarations."
     }
 
     #[tool(
-        description = "Run code in a sandbox (no network) and get its stdout and stderr, the \
-images it made (PNG/JPEG inline) and download links for other files it wrote in /mnt/data. \
-Languages: py, js, ts, c, cpp, java, php, rs, go, d, f90, r, bash. The result names a \
-session_id: calls without session_id continue this connection's session (same files; Python \
-keeps variables), and passing that session_id continues it from anywhere."
+        description = format!("Run code in a sandbox (no network) and get its stdout and stderr, \
+the images it made (PNG/JPEG inline) and download links for other files it wrote in \
+/mnt/data. Languages: {}. The result names a session_id: calls without session_id continue \
+this connection's session (same files; Python keeps variables), and passing that session_id \
+continues it from anywhere.", Language::names(", "))
     )]
     async fn execute_code(
         &self,

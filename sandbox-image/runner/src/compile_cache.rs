@@ -24,18 +24,9 @@ const MAX_TOTAL_BYTES: u64 = 96 * 1024 * 1024;
 /// A compile whose output is larger than this is not cached.
 const MAX_ENTRY_BYTES: u64 = 48 * 1024 * 1024;
 
-/// Whether `lang` compiles to something worth caching.
+/// Whether `lang` compiles to something worth caching (the language table says).
 pub fn caches(lang: Language) -> bool {
-    matches!(
-        lang,
-        Language::C
-            | Language::Cpp
-            | Language::Rs
-            | Language::Go
-            | Language::D
-            | Language::F90
-            | Language::Java
-    )
+    lang.spec().cache_compile
 }
 
 /// The cache key of one compile: everything that decides what the compiler produces.

@@ -32,7 +32,7 @@ mod capture;
 mod client;
 mod compile_cache;
 mod frame;
-mod lang;
+mod plan;
 mod quota;
 mod reaper;
 mod scratch;

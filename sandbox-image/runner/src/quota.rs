@@ -24,7 +24,9 @@
 //! are never deleted): the next exec may run, may delete files, and is stopped as soon as
 //! it makes the workspace grow.
 
+use crate::worker::{Control, Watch};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Shortest pause between two measurements during an exec.
@@ -139,15 +141,68 @@ fn walk(dir: &Path, usage: &mut Usage, budget: &mut u64, depth: usize) {
 }
 
 /// The pause before the next measurement, given how long the last one took.
-pub fn interval(last_walk: Duration) -> Duration {
+fn interval(last_walk: Duration) -> Duration {
     (last_walk * 4).max(MIN_INTERVAL)
 }
 
 /// Measures and times one walk.
-pub fn timed_measure(quota: &Quota) -> (Usage, Duration) {
+fn timed_measure(quota: &Quota) -> (Usage, Duration) {
     let started = Instant::now();
     let usage = quota.measure();
     (usage, started.elapsed())
+}
+
+/// Measures the workspace while the kernel idles, less often than during an exec, until
+/// the next exec starts; kills the kernel (through the worker) if it grew past the quota.
+fn watch_idle(quota: &Quota, control: &Control, base: Usage) {
+    let mut pause = MIN_INTERVAL;
+    loop {
+        std::thread::sleep(pause);
+        if !control.idle_watching() {
+            return;
+        }
+        let (now, took) = timed_measure(quota);
+        if quota.exceeded(base, now) {
+            control.idle_over_quota();
+            return;
+        }
+        // Idle kernels are the common case: at most a twentieth of a CPU on watching, but
+        // as often as during an exec while the workspace grows (threads still writing).
+        pause = if now.bytes > base.bytes || now.files > base.files {
+            interval(took)
+        } else {
+            (took * 20).max(IDLE_INTERVAL)
+        };
+    }
+}
+
+/// The quota watcher thread's body: measures the workspace while each exec runs, and
+/// stops the exec once it grew past the quota (see the module comment).
+pub fn watch_quota(quota: Quota, control: Arc<Control>) {
+    let mut last = None;
+    loop {
+        let (job, base) = match control.next_watch(last) {
+            Watch::Exec(job, base) => (job, base),
+            Watch::Idle(base) => {
+                watch_idle(&quota, &control, base);
+                continue;
+            }
+        };
+        last = Some(job);
+        let mut pause = MIN_INTERVAL;
+        loop {
+            std::thread::sleep(pause);
+            if !control.watching(job) {
+                break;
+            }
+            let (now, took) = timed_measure(&quota);
+            if quota.exceeded(base, now) {
+                control.over_quota(job);
+                break;
+            }
+            pause = interval(took);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -170,19 +170,6 @@ unsafe fn child(
     // still get the CPU to answer, time out and sweep. It only matters when the two
     // compete; alone, a niced process runs at full speed.
     libc::setpriority(libc::PRIO_PROCESS, 0, CHILD_NICE);
-    // And a better OOM victim than the runner: if PID 1 is OOM-killed the container dies.
-    let adj = libc::open(
-        c"/proc/self/oom_score_adj".as_ptr(),
-        libc::O_WRONLY | libc::O_CLOEXEC,
-    );
-    if adj >= 0 {
-        libc::write(
-            adj,
-            CHILD_OOM_SCORE_ADJ.as_ptr().cast(),
-            CHILD_OOM_SCORE_ADJ.len(),
-        );
-        libc::close(adj);
-    }
     // Its own process group, so a timeout can kill the whole group at once.
     if libc::setpgid(0, 0) == -1 {
         fail(err_w, 0);

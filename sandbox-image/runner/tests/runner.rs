@@ -292,6 +292,15 @@ fn bash_runs_in_the_workspace() {
 }
 
 #[test]
+fn programs_are_the_oom_killers_first_choice() {
+    // The runner is not dumpable, so only the write after the child made itself dumpable
+    // again can set this (as root either would; in the image only that one can).
+    let mut r = Runner::start();
+    let resp = r.exec(1, req(Language::Bash, "cat /proc/self/oom_score_adj"));
+    assert_eq!(resp.stdout, "500\n", "{resp:?}");
+}
+
+#[test]
 fn killed_by_a_signal() {
     let mut r = Runner::start();
     let resp = r.exec(1, req(Language::Bash, "kill -SEGV $$"));

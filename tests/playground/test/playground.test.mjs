@@ -63,6 +63,10 @@ test('with auth on: key once, Python prints and plots, session kept, upload and 
     const languages = await page.$$eval('#lang option', (os) => os.map((o) => o.value));
     assert.ok(languages.includes('py') && languages.includes('bash'), languages.join(','));
 
+    // Each language opens on its sample from the broker's language table.
+    await page.selectOption('#lang', 'rs');
+    assert.match(await page.inputValue('#code'), /hello from rs/);
+
     // Without the key the broker says 401 and the page asks for the key.
     await page.selectOption('#lang', 'bash');
     await page.fill('#code', 'echo hi');

@@ -7,32 +7,21 @@ const KEY_STORE = 'codebroker.apiKey';
 const SESSION_STORE = 'codebroker.session';
 const LANG_STORE = 'codebroker.lang';
 
-const SAMPLES = {
-  py: [
-    'import numpy as np',
-    'import matplotlib.pyplot as plt',
-    '',
-    'x = np.linspace(0, 2 * np.pi, 200)',
-    'print("hello from the playground:", round(float(np.sin(x).max()), 3))',
-    'plt.plot(x, np.sin(x), label="sin")',
-    'plt.plot(x, np.cos(x), label="cos")',
-    'plt.legend()',
-    'plt.title("codebroker")',
-    'plt.show()',
-  ].join('\n'),
-  js: 'console.log("hello from js", process.version);',
-  ts: 'const who: string = "ts";\nconsole.log(`hello from ${who}`);',
-  c: '#include <stdio.h>\n\nint main(void) {\n    puts("hello from c");\n    return 0;\n}',
-  cpp: '#include <iostream>\n\nint main() {\n    std::cout << "hello from c++" << std::endl;\n}',
-  java: 'public class Hello {\n    public static void main(String[] args) {\n        System.out.println("hello from java");\n    }\n}',
-  php: '<?php\necho "hello from php ", PHP_VERSION, "\\n";',
-  rs: 'fn main() {\n    println!("hello from rust");\n}',
-  go: 'package main\n\nimport "fmt"\n\nfunc main() {\n    fmt.Println("hello from go")\n}',
-  d: 'import std.stdio;\n\nvoid main() {\n    writeln("hello from d");\n}',
-  f90: 'program hello\n  print *, "hello from fortran"\nend program hello',
-  r: 'cat("hello from R", R.version$major, "\\n")',
-  bash: 'echo "hello from bash $BASH_VERSION"\nls -la /mnt/data',
-};
+// The sample program per language, from the broker's language table (samples.json);
+// Python opens on a plot instead, the one thing a hello world cannot show.
+const SAMPLES = {};
+const PYTHON_SAMPLE = [
+  'import numpy as np',
+  'import matplotlib.pyplot as plt',
+  '',
+  'x = np.linspace(0, 2 * np.pi, 200)',
+  'print("hello from the playground:", round(float(np.sin(x).max()), 3))',
+  'plt.plot(x, np.sin(x), label="sin")',
+  'plt.plot(x, np.cos(x), label="cos")',
+  'plt.legend()',
+  'plt.title("codebroker")',
+  'plt.show()',
+].join('\n');
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -305,7 +294,18 @@ async function upload() {
   }
 }
 
+async function loadSamples() {
+  try {
+    const res = await fetch('playground/samples.json');
+    for (const { lang, code } of await res.json()) SAMPLES[lang] = code;
+  } catch (err) {
+    setStatus(`cannot load the samples: ${err.message}`, true);
+  }
+  if ('py' in SAMPLES) SAMPLES.py = PYTHON_SAMPLE;
+}
+
 async function loadLanguages() {
+  await loadSamples();
   let languages = Object.keys(SAMPLES);
   try {
     const res = await fetch('health');

@@ -1,5 +1,7 @@
-//! How each compiled or interpreted language is built and run (the README's table).
+//! The build plan of one exec: how its program is compiled and run, from the language
+//! table's [`Build`] (the README's table), with TypeScript and Java built by code here.
 
+use sandbox_runner::language::Build;
 use sandbox_runner::Language;
 use std::path::Path;
 
@@ -29,12 +31,16 @@ pub fn plan(lang: Language, code: &str, dir: &Path) -> Option<Plan> {
         compile: None,
         run: vec![interpreter.into(), in_dir(source)],
     };
-    Some(match lang {
-        Language::Py => return None,
-        Language::Js => script("main.js", "node"),
-        Language::Php => script("main.php", "php"),
-        Language::R => script("main.r", "Rscript"),
-        Language::Bash => script("main.sh", "bash"),
+    let custom = match lang.spec().build {
+        Build::Kernel => return None,
+        Build::Script {
+            source,
+            interpreter,
+        } => return Some(script(source, interpreter)),
+        Build::Native { source, compile } => return Some(native(source, compile)),
+        Build::Custom => lang,
+    };
+    Some(match custom {
         Language::Ts => Plan {
             source: "main.ts".into(),
             compile: Some(strs(&[
@@ -47,18 +53,6 @@ pub fn plan(lang: Language, code: &str, dir: &Path) -> Option<Plan> {
             ])),
             run: vec!["node".into(), in_dir("main.js")],
         },
-        Language::C => native("main.c", &["gcc", "-O2", "-o", "prog", "main.c", "-lm"]),
-        Language::Cpp => native(
-            "main.cpp",
-            &["g++", "-O2", "-std=c++17", "-o", "prog", "main.cpp"],
-        ),
-        Language::Rs => native(
-            "main.rs",
-            &["rustc", "--edition", "2021", "-o", "prog", "main.rs"],
-        ),
-        Language::Go => native("main.go", &["go", "build", "-o", "prog", "main.go"]),
-        Language::D => native("main.d", &["gdc", "-o", "prog", "main.d"]),
-        Language::F90 => native("main.f90", &["gfortran", "-o", "prog", "main.f90"]),
         Language::Java => {
             let (file, class) = java_names(code);
             let source = format!("{file}.java");
@@ -73,6 +67,8 @@ pub fn plan(lang: Language, code: &str, dir: &Path) -> Option<Plan> {
                 ],
             }
         }
+        // The table gives every other language a build of its own kind.
+        _ => return None,
     })
 }
 
@@ -326,6 +322,59 @@ mod tests {
         let before = p.clone();
         preload(&mut p, Language::Bash, dir, prelude);
         assert_eq!(p, before);
+    }
+
+    #[test]
+    fn every_plan_from_the_table() {
+        let dir = Path::new("/tmp/exec-1");
+        let line = |lang| {
+            let p = plan(lang, "", dir).unwrap();
+            let compile = p.compile.map(|c| c.join(" ")).unwrap_or_default();
+            format!("{} | {compile} | {}", p.source, p.run.join(" "))
+        };
+        let want = [
+            (Language::Js, "main.js |  | node /tmp/exec-1/main.js"),
+            (
+                Language::Ts,
+                "main.ts | esbuild main.ts --outfile=main.js --format=cjs --platform=node \
+                 --log-level=warning | node /tmp/exec-1/main.js",
+            ),
+            (
+                Language::C,
+                "main.c | gcc -O2 -o prog main.c -lm | /tmp/exec-1/prog",
+            ),
+            (
+                Language::Cpp,
+                "main.cpp | g++ -O2 -std=c++17 -o prog main.cpp | /tmp/exec-1/prog",
+            ),
+            (
+                Language::Java,
+                "Main.java | javac Main.java | java -cp /tmp/exec-1 Main",
+            ),
+            (Language::Php, "main.php |  | php /tmp/exec-1/main.php"),
+            (
+                Language::Rs,
+                "main.rs | rustc --edition 2021 -o prog main.rs | /tmp/exec-1/prog",
+            ),
+            (
+                Language::Go,
+                "main.go | go build -o prog main.go | /tmp/exec-1/prog",
+            ),
+            (
+                Language::D,
+                "main.d | gdc -o prog main.d | /tmp/exec-1/prog",
+            ),
+            (
+                Language::F90,
+                "main.f90 | gfortran -o prog main.f90 | /tmp/exec-1/prog",
+            ),
+            (Language::R, "main.r |  | Rscript /tmp/exec-1/main.r"),
+            (Language::Bash, "main.sh |  | bash /tmp/exec-1/main.sh"),
+        ];
+        for (lang, want) in want {
+            assert_eq!(line(lang), want, "{lang}");
+            assert_eq!(lang.spec().compiled, want.split(" | ").nth(1) != Some(""));
+        }
     }
 
     #[test]
