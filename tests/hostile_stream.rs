@@ -34,9 +34,7 @@ fn flood_py(secs: u32, size: usize) -> String {
     )
 }
 
-#[path = "common/child.rs"]
-mod child;
-use child::ChildBroker;
+use common::child::ChildBroker;
 
 /// The broker binary without auth, whose single-use sessions keep their containers, with
 /// `env` on top.
