@@ -4,47 +4,13 @@
 mod common;
 
 use codebroker::config::{AuthMode, ContainerCap};
+use common::jwt::{
+    claims_issued, jwt, key_path, lc_ed_public_key, sign, token, unix_now, ED_A, ED_B, RSA_A,
+};
 use common::{session, stdout, TestBroker};
-use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use jsonwebtoken::{Algorithm, EncodingKey};
 use serde_json::{json, Value};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-const ED_A: &[u8] = include_bytes!("keys/ed25519_a.pem");
-const ED_B: &[u8] = include_bytes!("keys/ed25519_b.pem");
-const RSA_A: &[u8] = include_bytes!("keys/rsa_a.pem");
-
-fn key_path(name: &str) -> String {
-    format!("{}/../tests/keys/{name}", env!("CARGO_MANIFEST_DIR"))
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs()
-}
-
-/// A token as LibreChat mints it: 5 minutes, `librechat` for `codeapi`.
-fn token(alg: Algorithm, kid: &str, private_pem: &[u8], sub: &str, exp_in: i64) -> String {
-    let now = now();
-    let claims = json!({
-        "iss": "librechat", "aud": "codeapi", "sub": sub,
-        "iat": now, "nbf": now, "exp": now.saturating_add_signed(exp_in),
-        "jti": format!("{sub}-{now}"), "tenant_id": "default",
-    });
-    let key = match alg {
-        Algorithm::EdDSA => EncodingKey::from_ed_pem(private_pem),
-        _ => EncodingKey::from_rsa_pem(private_pem),
-    }
-    .expect("private key");
-    let mut header = Header::new(alg);
-    header.kid = Some(kid.to_string());
-    encode(&header, &claims, &key).expect("sign")
-}
-
-fn jwt(sub: &str) -> String {
-    token(Algorithm::EdDSA, "lc-ed", ED_A, sub, 300)
-}
+use std::time::Duration;
 
 /// A response's status, JSON body (after any keep-alive whitespace) and headers.
 struct Answer {
@@ -153,7 +119,7 @@ async fn jwt_users_see_only_their_own_sessions() {
         c.auth = AuthMode::Key;
         c.api_key = vec![];
         c.jwt_public_keys = vec![
-            format!("lc-ed={}", key_path("ed25519_a.pub.pem")),
+            lc_ed_public_key(),
             format!("lc-rsa={}", key_path("rsa_a.pub.pem")),
         ];
     })
@@ -452,15 +418,9 @@ async fn live_sessions_per_user_are_capped() {
 
 /// A token LibreChat minted `age` seconds ago with the usual five-minute lifetime.
 fn token_minted_ago(sub: &str, age: u64) -> String {
-    let issued = now() - age;
-    let claims = json!({
-        "iss": "librechat", "aud": "codeapi", "sub": sub,
-        "iat": issued, "nbf": issued, "exp": issued + 300,
-    });
     let key = EncodingKey::from_ed_pem(ED_A).expect("private key");
-    let mut header = Header::new(Algorithm::EdDSA);
-    header.kid = Some("lc-ed".into());
-    encode(&header, &claims, &key).expect("sign")
+    let claims = claims_issued(sub, unix_now() - age, 300, "codeapi", "librechat");
+    sign(Algorithm::EdDSA, &key, Some("lc-ed"), &claims)
 }
 
 #[tokio::test]
@@ -468,7 +428,7 @@ async fn a_jwt_is_accepted_at_most_300_seconds_after_it_was_issued() {
     let broker = TestBroker::start_with("jwtlife", |c| {
         c.auth = AuthMode::Key;
         c.api_key = vec![];
-        c.jwt_public_keys = vec![format!("lc-ed={}", key_path("ed25519_a.pub.pem"))];
+        c.jwt_public_keys = vec![lc_ed_public_key()];
     })
     .await;
     // iat = now - 320, exp = now - 20: inside the clock-skew leeway of exp, but issued

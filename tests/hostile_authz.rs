@@ -8,33 +8,13 @@
 mod common;
 
 use codebroker::config::AuthMode;
+use common::child::Launch;
+use common::jwt::{jwt, lc_ed_public_key};
 use common::{session, stdout, TestBroker};
-use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-const ED_A: &[u8] = include_bytes!("keys/ed25519_a.pem");
 const KEY: &str = "authz-key";
-
-fn key_path(name: &str) -> String {
-    format!("{}/../tests/keys/{name}", env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A LibreChat-style token for `sub`, valid for 5 minutes.
-fn jwt(sub: &str) -> String {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs();
-    let claims = json!({
-        "iss": "librechat", "aud": "codeapi", "sub": sub,
-        "iat": now, "nbf": now, "exp": now + 300,
-    });
-    let key = EncodingKey::from_ed_pem(ED_A).expect("private key");
-    let mut header = Header::new(Algorithm::EdDSA);
-    header.kid = Some("lc-ed".into());
-    encode(&header, &claims, &key).expect("sign")
-}
 
 type Headers = Vec<(&'static str, String)>;
 
@@ -58,7 +38,7 @@ async fn keyed(tag: &str, adjust: impl FnOnce(&mut codebroker::config::Config)) 
     TestBroker::start_with(tag, |c| {
         c.auth = AuthMode::Key;
         c.api_key = vec![KEY.into()];
-        c.jwt_public_keys = vec![format!("lc-ed={}", key_path("ed25519_a.pub.pem"))];
+        c.jwt_public_keys = vec![lc_ed_public_key()];
         adjust(c);
     })
     .await
@@ -69,11 +49,7 @@ async fn send(mut request: reqwest::RequestBuilder, headers: &Headers) -> (u16, 
     for (name, value) in headers {
         request = request.header(*name, value);
     }
-    let resp = request.send().await.expect("request");
-    let status = resp.status().as_u16();
-    let text = resp.text().await.expect("body");
-    let body = serde_json::from_str(text.trim()).unwrap_or(Value::String(text));
-    (status, body)
+    common::answer(request.send().await.expect("request")).await
 }
 
 async fn exec(broker: &TestBroker, headers: &Headers, body: Value) -> (u16, Value) {
@@ -404,36 +380,26 @@ async fn stdio_upstream_servers_get_no_broker_secrets() {
     let dump = dir.path().join("env.json");
     std::fs::write(&script, ENV_DUMPER).expect("write");
     let data = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
     let api_key = format!("broker-key-{}", std::process::id());
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_codebroker"))
-        .env("CODEBROKER_LISTEN", format!("127.0.0.1:{port}"))
+    // Not waited for: the upstream server starts with the broker and writes the dump.
+    let mut broker = Launch::binary(&common::instance_name("authz-env"), data.path())
         .env("CODEBROKER_AUTH", "key")
         .env("CODEBROKER_API_KEY", &api_key)
         .env("DATABASE_PASSWORD", "hunter2")
         .env("PASSED_ON", "yes")
-        .env("CODEBROKER_DATA_DIR", data.path())
-        .env("CODEBROKER_INSTANCE", common::instance_name("authz-env"))
-        .env("CODEBROKER_IMAGE", common::image())
-        .env("CODEBROKER_POOL_SIZE", "0")
         .env("CODEBROKER_CODEMODE", "true")
         .env(
             "CODEBROKER_CODEMODE_MCP_SERVERS",
             format!("ev=stdio:python3 {} {}", script.display(), dump.display()),
         )
         .env("CODEBROKER_CODEMODE_MCP_ENV", "PASSED_ON")
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .expect("start the broker binary");
+        .owning(data)
+        .start();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !dump.exists() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    broker.kill();
     let text = std::fs::read_to_string(&dump).expect("the upstream server started");
     let env: serde_json::Map<String, Value> = serde_json::from_str(&text).expect("json");
     assert!(!text.contains(&api_key), "the API key leaked: {text}");

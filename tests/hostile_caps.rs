@@ -9,7 +9,6 @@ use clap::Parser;
 use codebroker::config::Config;
 use common::{session, stdout, TestBroker};
 use serde_json::{json, Value};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,10 +39,7 @@ async fn shipped(tag: &str, extra: &[&str]) -> (TestBroker, tempfile::TempDir) {
 
 /// The Docker host's memory, as `docker info` reports it.
 fn host_memory() -> u64 {
-    let out = Command::new("docker")
-        .args(["info", "--format", "{{.MemTotal}}"])
-        .output()
-        .expect("docker info");
+    let out = common::docker::docker(&["info", "--format", "{{.MemTotal}}"]);
     String::from_utf8_lossy(&out.stdout)
         .trim()
         .parse()
@@ -58,18 +54,7 @@ fn documented_container_cap() -> usize {
 
 /// POST /exec as `user`.
 async fn exec_as(broker: &TestBroker, user: &str, body: Value) -> (u16, Value) {
-    let resp = broker
-        .client
-        .post(broker.url("/exec"))
-        .header("user-id", user)
-        .json(&body)
-        .send()
-        .await
-        .expect("POST /exec");
-    let status = resp.status().as_u16();
-    let text = resp.text().await.expect("body");
-    let json = serde_json::from_str(text.trim()).unwrap_or(Value::String(text));
-    (status, json)
+    broker.exec_with(&[("user-id", user)], body).await
 }
 
 fn assert_rate_limited(body: &Value) {

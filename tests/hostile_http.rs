@@ -15,9 +15,7 @@ use std::time::{Duration, Instant};
 const KEY: &str = "hostile-http-key";
 const MIB: u64 = 1024 * 1024;
 
-#[path = "common/child.rs"]
-mod child;
-use child::{proc_status_bytes, ChildBroker as Broker};
+use common::child::{proc_status_bytes, ChildBroker as Broker};
 
 /// The broker binary with an API key and `env` on top.
 async fn start(tag: &str, env: &[(&str, &str)]) -> Broker {
@@ -345,25 +343,8 @@ async fn connections_over_the_cap_wait_and_cost_nothing() {
 
 /// A multipart body: `fields` text parts, then one file part.
 fn form(fields: &[(&str, Vec<u8>)], file: &[u8]) -> (String, Vec<u8>) {
-    let boundary = "edge-boundary-51c2";
-    let mut body = Vec::new();
-    for (name, value) in fields {
-        body.extend_from_slice(
-            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n")
-                .as_bytes(),
-        );
-        body.extend_from_slice(value);
-        body.extend_from_slice(b"\r\n");
-    }
-    body.extend_from_slice(
-        format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.txt\"\r\n\r\n"
-        )
-        .as_bytes(),
-    );
-    body.extend_from_slice(file);
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    (format!("multipart/form-data; boundary={boundary}"), body)
+    let fields: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+    common::raw_multipart(&fields, b"b.txt", None, file)
 }
 
 async fn upload(broker: &Broker, route: &str, (ctype, body): (String, Vec<u8>)) -> (u16, Value) {
@@ -375,12 +356,7 @@ async fn upload(broker: &Broker, route: &str, (ctype, body): (String, Vec<u8>)) 
         .send()
         .await
         .expect("upload");
-    let status = resp.status().as_u16();
-    let text = resp.text().await.expect("body");
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    common::answer(resp).await
 }
 
 async fn file_names(broker: &Broker, session: &str) -> Vec<String> {
@@ -529,12 +505,7 @@ async fn post_as(
         .send()
         .await
         .expect("POST /exec");
-    let status = resp.status().as_u16();
-    let text = resp.text().await.expect("body");
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    common::answer(resp).await
 }
 
 #[tokio::test]

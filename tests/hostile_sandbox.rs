@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{inspect, session, stderr, stdout, TestBroker};
+use common::{session, stderr, stdout, TestBroker};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -353,19 +353,11 @@ async fn a_sandbox_killed_after_an_out_of_memory_is_not_reported_as_one() {
         "{bomb}"
     );
     echo_ok(&arena.broker, &s).await;
-    let victim = arena
-        .broker
-        .containers()
-        .into_iter()
-        .find(|id| inspect(id)["Config"]["Labels"]["codebroker.session"] == s.as_str())
-        .expect("the session's container");
+    let victim = common::docker::container_of(&arena.broker.instance, &s);
     // Then the container is killed from outside during an exec: not a memory limit.
     let killer = tokio::task::spawn_blocking(move || {
         std::thread::sleep(Duration::from_secs(2));
-        std::process::Command::new("docker")
-            .args(["kill", &victim])
-            .output()
-            .expect("docker kill")
+        common::docker::kill_container(&victim)
     });
     let resp = arena.attack(&s, "bash", "sleep 30", 40000).await;
     assert!(killer.await.expect("killer").status.success());

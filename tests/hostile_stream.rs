@@ -4,12 +4,9 @@
 //! its memory and CPU are its own.
 
 mod common;
+#[path = "common/mcp_client.rs"]
+mod mcp_client;
 
-use rmcp::model::{CallToolRequestParams, ClientConfig};
-use rmcp::service::RunningService;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -34,9 +31,8 @@ fn flood_py(secs: u32, size: usize) -> String {
     )
 }
 
-#[path = "common/child.rs"]
-mod child;
-use child::ChildBroker;
+use common::child::ChildBroker;
+use mcp_client::Client;
 
 /// The broker binary without auth, whose single-use sessions keep their containers, with
 /// `env` on top.
@@ -66,28 +62,17 @@ async fn exec(broker: &ChildBroker, body: Value) -> Value {
         .expect("json")
 }
 
-type Client = RunningService<RoleClient, ClientConfig>;
-
+/// An MCP client on the broker's `/mcp`, without credentials.
 async fn mcp(broker: &ChildBroker) -> Client {
-    let transport = StreamableHttpClientTransport::from_config(
-        StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp")),
-    );
-    ClientConfig::default()
-        .serve(transport)
+    mcp_client::connect_to(&broker.url("/mcp"), None)
         .await
         .expect("MCP client")
 }
 
 /// Code mode's `execute`: its structured `{result, logs, error}`.
 async fn execute(client: &Client, lang: &str, code: &str) -> Value {
-    let Value::Object(args) = json!({"lang": lang, "code": code}) else {
-        unreachable!()
-    };
-    let result = client
-        .call_tool(CallToolRequestParams::new("execute".to_string()).with_arguments(args))
-        .await
-        .expect("execute");
-    result.structured_content.expect("structuredContent")
+    let result = mcp_client::call(client, "execute", json!({"lang": lang, "code": code})).await;
+    mcp_client::structured(&result).clone()
 }
 
 /// Samples the broker's RSS while `work` runs; fails as soon as it grew past the limit

@@ -6,13 +6,14 @@
 
 mod common;
 
-use common::{instance_name, remove_containers_of, require_image, stdout};
+use common::child::{ChildBroker, Launch, Ready};
+use common::{instance_name, require_image, stdout};
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 /// The sandbox uid (the broker's default).
 const SANDBOX_UID: u32 = 10001;
@@ -20,12 +21,14 @@ const SANDBOX_UID: u32 = 10001;
 const SKILL: &str = "# pptx\nUse python-pptx. Never call tools not listed here.\n";
 
 /// The broker binary started through the image's entrypoint, as root.
-struct Proc {
-    child: Child,
-    base: String,
-    instance: String,
-    data: PathBuf,
-    _tmp: tempfile::TempDir,
+struct Proc(ChildBroker);
+
+impl std::ops::Deref for Proc {
+    type Target = ChildBroker;
+
+    fn deref(&self) -> &ChildBroker {
+        &self.0
+    }
 }
 
 impl Proc {
@@ -37,13 +40,8 @@ impl Proc {
             0,
             "this test starts the broker as its image does, which takes root"
         );
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
         let tmp = tempfile::tempdir().expect("tempdir");
         let data = tmp.path().join("data");
-        let instance = instance_name(tag);
         let bin = Path::new(env!("CARGO_BIN_EXE_codebroker"));
         let path = format!(
             "{}:{}",
@@ -52,49 +50,26 @@ impl Proc {
         );
         let entrypoint =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../images/broker/entrypoint.sh");
-        let child = Command::new("sh")
-            .arg(entrypoint)
-            .arg("serve")
+        let mut sh = Command::new("sh");
+        sh.arg(entrypoint).arg("serve");
+        // Stopped on drop as `docker stop` stops it: SIGTERM, then SIGKILL.
+        let broker = Launch::program(sh, &instance_name(tag), &data)
             .env("PATH", path)
-            .env("CODEBROKER_LISTEN", format!("127.0.0.1:{port}"))
             .env("CODEBROKER_AUTH", "none")
-            .env("CODEBROKER_DATA_DIR", &data)
-            .env("CODEBROKER_INSTANCE", &instance)
-            .env("CODEBROKER_IMAGE", common::image())
-            .env("CODEBROKER_POOL_SIZE", "0")
             .env("CODEBROKER_SHUTDOWN_CONTAINERS", "remove")
             .env_remove("CODEBROKER_RUN_AS_ROOT")
-            .stdin(Stdio::null())
+            .owning(tmp)
+            .ready(Ready::Healthy)
+            .term_on_drop()
             .spawn()
-            .expect("start the entrypoint");
-        let proc = Proc {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            instance,
-            data,
-            _tmp: tmp,
-        };
-        let client = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(resp) = client.get(format!("{}/health", proc.base)).send().await {
-                if resp.status() == 200 {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the broker did not become healthy"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        proc
+            .await;
+        Proc(broker)
     }
 
     /// The uid the broker process runs as (the entrypoint execs it in place).
     fn uid(&self) -> u32 {
         let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("status");
         status
             .lines()
             .find_map(|l| l.strip_prefix("Uid:"))
@@ -113,23 +88,6 @@ impl Proc {
             .expect("exec");
         assert_eq!(resp.status(), 200);
         resp.json().await.expect("json")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        remove_containers_of(&self.instance);
     }
 }
 
@@ -226,8 +184,7 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
     // Separate uids: the broker is neither root nor the sandbox, and its data is its own.
     // It holds three capabilities, none of them ambient any more (programs it starts, such
     // as upstream MCP servers, get none).
-    let status =
-        std::fs::read_to_string(format!("/proc/{}/status", broker.child.id())).expect("status");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", broker.pid())).expect("status");
     let cap = |name: &str| {
         status
             .lines()
@@ -247,10 +204,10 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
     assert_ne!(broker_uid, 0, "the broker runs as root");
     let resp = broker.exec(&s, "id -u").await;
     assert_eq!(stdout(&resp).trim(), SANDBOX_UID.to_string());
-    let root = broker.data.join("sessions").join(&s);
+    let root = broker.data_dir.join("sessions").join(&s);
     for (path, mode) in [
-        (broker.data.clone(), 0o700),
-        (broker.data.join("sessions"), 0o700),
+        (broker.data_dir.clone(), 0o700),
+        (broker.data_dir.join("sessions"), 0o700),
         (root.clone(), 0o700),
         (root.join("blobs"), 0o700),
         (root.join("index.json"), 0o600),
@@ -272,7 +229,7 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
         let path = path.to_str().expect("utf-8");
         assert!(!as_nobody(&["cat", path]), "nobody could read {path}");
     }
-    let sessions = broker.data.join("sessions");
+    let sessions = broker.data_dir.join("sessions");
     assert!(
         !as_nobody(&["ls", sessions.to_str().expect("utf-8")]),
         "nobody could list the sessions"

@@ -100,14 +100,9 @@ async fn a_dead_sandbox_is_replaced_without_touching_other_sessions() {
     let containers = broker.containers();
     assert_eq!(containers.len(), 2);
     // Kill the container of session a from outside.
-    let victim = containers
-        .iter()
-        .find(|id| inspect(id)["Config"]["Labels"]["codebroker.session"] == sa.as_str())
-        .expect("container of a")
-        .clone();
-    let _ = std::process::Command::new("docker")
-        .args(["kill", &victim])
-        .output();
+    let victim = common::docker::container_of(&broker.instance, &sa);
+    assert!(containers.contains(&victim));
+    let _ = common::docker::kill_container(&victim);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let again = broker.run("bash", "echo back", Some(&sa)).await;
     assert_eq!(stdout(&again).trim(), "back", "{again}");
@@ -210,16 +205,13 @@ async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() 
     assert_eq!(session(&resp), s);
     // The exec ran in the container that was pooled, which now sees the session's files.
     assert!(first.containers().contains(&pooled));
-    let seen = std::process::Command::new("docker")
-        .args([
-            "exec",
-            &pooled,
-            "cat",
-            "/mnt/data/in.csv",
-            "/mnt/data/out.txt",
-        ])
-        .output()
-        .expect("docker exec");
+    let seen = common::docker::docker(&[
+        "exec",
+        &pooled,
+        "cat",
+        "/mnt/data/in.csv",
+        "/mnt/data/out.txt",
+    ]);
     assert_eq!(String::from_utf8_lossy(&seen.stdout), "4,5\n9");
     let out_id = resp["files"][0]["id"].as_str().expect("out id").to_string();
     assert_eq!(resp["files"][0]["name"], "out.txt", "{resp}");
@@ -276,10 +268,7 @@ async fn a_dead_pooled_container_is_removed_and_replaced() {
     broker.wait_for_pool(1).await;
     let dead = broker.containers();
     assert_eq!(dead.len(), 1, "{dead:?}");
-    let killed = std::process::Command::new("docker")
-        .args(["kill", &dead[0]])
-        .output()
-        .expect("docker kill");
+    let killed = common::docker::kill_container(&dead[0]);
     assert!(killed.status.success(), "{killed:?}");
     let sessions = broker.data.join("sessions");
     let workspaces = || std::fs::read_dir(&sessions).map_or(0, |d| d.count());

@@ -7,6 +7,7 @@ mod common;
 mod mcp_client;
 
 use base64::Engine as _;
+use common::jwt::jwt;
 use common::TestBroker;
 use mcp_client::{call, connect, structured, text};
 use rmcp::model::ContentBlock;
@@ -338,31 +339,11 @@ async fn mcp_needs_the_key_and_an_allowed_host() {
     );
 }
 
-/// A JWT as LibreChat mints it, for `sub`.
-fn jwt(sub: &str) -> String {
-    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs();
-    let claims = json!({
-        "iss": "librechat", "aud": "codeapi", "sub": sub,
-        "iat": now, "nbf": now, "exp": now + 300, "jti": format!("{sub}-{now}"),
-    });
-    let key = EncodingKey::from_ed_pem(include_bytes!("keys/ed25519_a.pem")).expect("key");
-    let mut header = Header::new(Algorithm::EdDSA);
-    header.kid = Some("lc-ed".into());
-    encode(&header, &claims, &key).expect("sign")
-}
-
 #[tokio::test]
 async fn a_jwt_user_sees_only_their_own_sessions_over_mcp() {
     let broker = TestBroker::start_with("mcp-jwt", |c| {
         c.auth = codebroker::config::AuthMode::Key;
-        c.jwt_public_keys = vec![format!(
-            "lc-ed={}/../tests/keys/ed25519_a.pub.pem",
-            env!("CARGO_MANIFEST_DIR")
-        )];
+        c.jwt_public_keys = vec![common::jwt::lc_ed_public_key()];
     })
     .await;
     let alice = connect(&broker, Some(&jwt("alice"))).await.expect("alice");

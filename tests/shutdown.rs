@@ -5,116 +5,39 @@
 
 mod common;
 
-use common::{containers_of, inspect, instance_name, remove_containers_of, require_image};
+use common::child::{ChildBroker, Launch, Ready};
+use common::docker::is_running as running;
+use common::{containers_of, instance_name, require_image};
 use futures::StreamExt;
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The broker binary as a child process, with its own port, data and instance label.
-struct Proc {
-    child: Child,
-    base: String,
+/// The broker binary without auth, on a fresh data directory, keeping or removing its
+/// containers at shutdown as `containers` says, with `grace_secs` for execs under way.
+async fn start(tag: &str, containers: &str, grace_secs: u64) -> ChildBroker {
+    let data = tempfile::tempdir().expect("tempdir");
+    launch(instance_name(tag), data, containers, grace_secs, &[]).await
+}
+
+/// [`start`] on a given instance and data directory (a broker's successor), with `extra`
+/// settings; waits until `/health` answers 200.
+async fn launch(
     instance: String,
-    /// The data directory; handed to the next broker by `hand_over`.
-    data: Option<tempfile::TempDir>,
-    /// Remove the instance's containers on drop (not when handed over).
-    remove_on_drop: bool,
-}
-
-impl Proc {
-    async fn start(tag: &str, containers: &str, grace_secs: u64) -> Proc {
-        let data = tempfile::tempdir().expect("tempdir");
-        Proc::launch(instance_name(tag), data, containers, grace_secs, &[]).await
-    }
-
-    /// Gives up the instance and data directory for a next broker, leaving the
-    /// containers alone.
-    fn hand_over(mut self) -> (String, tempfile::TempDir) {
-        self.remove_on_drop = false;
-        let data = self.data.take().expect("data");
-        (self.instance.clone(), data)
-    }
-
-    async fn launch(
-        instance: String,
-        data: tempfile::TempDir,
-        containers: &str,
-        grace_secs: u64,
-        extra: &[(&str, &str)],
-    ) -> Proc {
-        require_image();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let child = Command::new(env!("CARGO_BIN_EXE_codebroker"))
-            .env("CODEBROKER_LISTEN", format!("127.0.0.1:{port}"))
-            .env("CODEBROKER_AUTH", "none")
-            .env("CODEBROKER_DATA_DIR", data.path())
-            .env("CODEBROKER_INSTANCE", &instance)
-            .env("CODEBROKER_IMAGE", common::image())
-            .env("CODEBROKER_POOL_SIZE", "0")
-            .env("CODEBROKER_SHUTDOWN_CONTAINERS", containers)
-            .env("CODEBROKER_SHUTDOWN_GRACE", grace_secs.to_string())
-            .envs(extra.iter().copied())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start the broker binary");
-        let proc = Proc {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            instance,
-            data: Some(data),
-            remove_on_drop: true,
-        };
-        let client = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(resp) = client.get(format!("{}/health", proc.base)).send().await {
-                if resp.status() == 200 {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the broker did not become healthy"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        proc
-    }
-
-    fn signal(&self, signal: libc::c_int) {
-        let pid = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill");
-    }
-
-    /// Waits for the process to exit; its exit status.
-    async fn wait(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the broker did not exit within {within:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if self.remove_on_drop {
-            remove_containers_of(&self.instance);
-        }
-    }
+    data: tempfile::TempDir,
+    containers: &str,
+    grace_secs: u64,
+    extra: &[(&str, &str)],
+) -> ChildBroker {
+    require_image();
+    Launch::binary(&instance, data.path())
+        .env("CODEBROKER_AUTH", "none")
+        .env("CODEBROKER_SHUTDOWN_CONTAINERS", containers)
+        .env("CODEBROKER_SHUTDOWN_GRACE", grace_secs.to_string())
+        .envs(extra)
+        .owning(data)
+        .ready(Ready::Healthy)
+        .spawn()
+        .await
 }
 
 /// Starts a streamed exec and returns once its first output arrived, with the rest of
@@ -185,7 +108,7 @@ async fn session_with_container(base: &str) -> String {
 }
 
 async fn exec_finishes_during_shutdown(containers: &str, signal: libc::c_int) {
-    let mut broker = Proc::start("shutdown", containers, 20).await;
+    let mut broker = start("shutdown", containers, 20).await;
     let session = session_with_container(&broker.base).await;
     assert_eq!(containers_of(&broker.instance).len(), 1);
 
@@ -204,7 +127,7 @@ async fn exec_finishes_during_shutdown(containers: &str, signal: libc::c_int) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
-        broker.child.try_wait().expect("try_wait").is_none(),
+        broker.exited().is_none(),
         "the broker exited with an exec under way"
     );
 
@@ -242,7 +165,7 @@ async fn ctrl_c_lets_the_exec_finish_and_removes_containers() {
 
 #[tokio::test]
 async fn stops_after_the_grace_period() {
-    let mut broker = Proc::start("shutdown-grace", "remove", 1).await;
+    let mut broker = start("shutdown-grace", "remove", 1).await;
     let session = session_with_container(&broker.base).await;
     let code = "import time\nprint('started', flush=True)\ntime.sleep(25)";
     let (_seen, _stream) = start_exec(&broker.base, &session, code).await;
@@ -259,16 +182,11 @@ async fn stops_after_the_grace_period() {
     assert!(left.is_empty(), "containers left behind: {left:?}");
 }
 
-/// Whether the container is running (a removed one is not).
-fn running(id: &str) -> bool {
-    inspect(id)["State"]["Running"].as_bool().unwrap_or(false)
-}
-
 #[tokio::test]
 async fn kept_containers_end_themselves_when_no_broker_comes_back() {
     let ttl = [("CODEBROKER_IDLE_TTL_SECS", "5")];
     let data = tempfile::tempdir().expect("tempdir");
-    let mut broker = Proc::launch(instance_name("unattended"), data, "keep", 10, &ttl).await;
+    let mut broker = launch(instance_name("unattended"), data, "keep", 10, &ttl).await;
     session_with_container(&broker.base).await;
     let kept = containers_of(&broker.instance);
     assert_eq!(kept.len(), 1);
@@ -305,13 +223,13 @@ async fn kept_containers_end_themselves_when_no_broker_comes_back() {
 async fn a_broker_back_within_the_idle_ttl_re_attaches_and_keeps_its_containers_alive() {
     let ttl = [("CODEBROKER_IDLE_TTL_SECS", "5")];
     let data = tempfile::tempdir().expect("tempdir");
-    let mut first = Proc::launch(instance_name("reattach-ttl"), data, "keep", 10, &ttl).await;
+    let mut first = launch(instance_name("reattach-ttl"), data, "keep", 10, &ttl).await;
     let session = session_with_container(&first.base).await;
     let kept = containers_of(&first.instance);
     first.signal(libc::SIGTERM);
     assert!(first.wait(Duration::from_secs(30)).await.success());
     let (instance, data) = first.hand_over();
-    let second = Proc::launch(instance, data, "remove", 10, &ttl).await;
+    let second = launch(instance, data, "remove", 10, &ttl).await;
     // Longer than the runner's unattended limit (20 s): the new broker's heartbeats keep it.
     let resp: Value = reqwest::Client::new()
         .post(format!("{}/exec", second.base))

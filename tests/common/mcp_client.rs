@@ -1,6 +1,6 @@
 //! rmcp's client on a test broker's `/mcp`, for the suites that speak MCP (`mcp.rs`,
-//! `codemode.rs`). Included by path from those two only, so the other suites do not
-//! compile it.
+//! `codemode.rs`, `hostile_stream.rs`). Included by path from those only, so the other
+//! suites do not compile it.
 
 #![allow(dead_code)]
 
@@ -17,7 +17,13 @@ pub type Client = RunningService<RoleClient, ClientConfig>;
 
 /// An MCP client on the broker's `/mcp`, initialized, with `key` as its bearer key.
 pub async fn connect(broker: &TestBroker, key: Option<&str>) -> Result<Client, String> {
-    let mut config = StreamableHttpClientTransportConfig::with_uri(broker.url("/mcp"));
+    connect_to(&broker.url("/mcp"), key).await
+}
+
+/// An MCP client on `url` (any broker's `/mcp`, a child process's too), initialized,
+/// with `key` as its bearer key.
+pub async fn connect_to(url: &str, key: Option<&str>) -> Result<Client, String> {
+    let mut config = StreamableHttpClientTransportConfig::with_uri(url.to_string());
     if let Some(key) = key {
         config = config.auth_header(key);
     }

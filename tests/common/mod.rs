@@ -1,31 +1,43 @@
-//! A broker on port 0 against the real Docker engine and the real sandbox image, for the
-//! end-to-end tests. Each test broker has its own instance label and data directory, and
-//! removes its containers when dropped.
+//! The one harness of the end-to-end suites and the bench: a broker on port 0 against the
+//! real Docker engine and the real sandbox image (`TestBroker`), the broker binary as a
+//! child process (`child`), Docker from outside (`docker`) and LibreChat's JWTs (`jwt`).
+//! Each test broker has its own instance label and data directory, and removes its
+//! containers when dropped. The bench includes this module by path.
 
 #![allow(dead_code)]
 
+pub mod child;
+pub mod docker;
+pub mod jwt;
+
+// Re-exported where the suites have always found them; not every suite uses each.
+#[allow(unused_imports)]
+pub use docker::{
+    containers_matching, containers_of, image, inspect, remove_containers_of, require_image,
+};
+
 use codebroker::config::Config;
 use serde_json::{json, Value};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-/// The sandbox image under test: `CODEBROKER_IMAGE` (as the broker reads it), else the
-/// image `make image` builds.
-pub fn image() -> String {
-    std::env::var("CODEBROKER_IMAGE").unwrap_or_else(|_| "codebroker-sandbox:latest".into())
-}
-
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
+/// A broker served in the test process on a port of its own.
 pub struct TestBroker {
+    /// `http://127.0.0.1:<port>`.
     pub base: String,
+    /// The client the helpers send with (a long timeout: execs may take minutes).
     pub client: reqwest::Client,
+    /// The label of its containers.
     pub instance: String,
+    /// Its data directory.
     pub data: std::path::PathBuf,
     /// Keeps the data directory until the broker is dropped.
     _tmp: Option<tempfile::TempDir>,
+    /// Ends the server's accept loop.
     stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The server, awaited by `stop`.
     server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// Leave containers behind on drop (a test that restarts the broker on them).
     pub keep_containers: bool,
@@ -38,19 +50,6 @@ pub fn instance_name(tag: &str) -> String {
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::SeqCst)
     )
-}
-
-pub fn require_image() {
-    let image = image();
-    let ok = Command::new("docker")
-        .args(["image", "inspect", &image])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    assert!(
-        ok,
-        "the sandbox image {image} is missing: run `make image` first"
-    );
 }
 
 impl TestBroker {
@@ -84,6 +83,16 @@ impl TestBroker {
             )
             .with_test_writer()
             .try_init();
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .expect("client");
+        Self::serve_with_client(config, client).await
+    }
+
+    /// A broker on this configuration, driven through `client`, with no log subscriber
+    /// set up (the bench prints its own table on stdout).
+    pub async fn serve_with_client(config: Config, client: reqwest::Client) -> TestBroker {
         let instance = config.instance.clone();
         let data = config.data_dir.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -97,10 +106,7 @@ impl TestBroker {
         }));
         TestBroker {
             base,
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(120))
-                .build()
-                .expect("client"),
+            client,
             instance,
             data,
             _tmp: None,
@@ -129,17 +135,17 @@ impl TestBroker {
 
     /// POST /exec; returns status and JSON body.
     pub async fn exec(&self, body: Value) -> (u16, Value) {
-        let resp = self
-            .client
-            .post(self.url("/exec"))
-            .json(&body)
-            .send()
-            .await
-            .expect("POST /exec");
-        let status = resp.status().as_u16();
-        let text = resp.text().await.expect("body");
-        let json = serde_json::from_str(text.trim()).unwrap_or(Value::String(text));
-        (status, json)
+        self.exec_with(&[], body).await
+    }
+
+    /// POST /exec with extra request headers (a user, a bearer token); returns status
+    /// and JSON body.
+    pub async fn exec_with(&self, headers: &[(&str, &str)], body: Value) -> (u16, Value) {
+        let mut request = self.client.post(self.url("/exec")).json(&body);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        answer(request.send().await.expect("POST /exec")).await
     }
 
     /// POST /exec that must succeed with 200.
@@ -179,54 +185,6 @@ impl TestBroker {
     }
 }
 
-pub fn containers_of(instance: &str) -> Vec<String> {
-    containers_matching(instance, &[])
-}
-
-/// Ids of this instance's containers that also carry every label in `labels` (`k=v`).
-pub fn containers_matching(instance: &str, labels: &[&str]) -> Vec<String> {
-    let mut args = vec![
-        "ps".to_string(),
-        "-aq".into(),
-        "--no-trunc".into(),
-        "--filter".into(),
-        format!("label=codebroker.instance={instance}"),
-    ];
-    for label in labels {
-        args.extend(["--filter".to_string(), format!("label={label}")]);
-    }
-    let out = Command::new("docker")
-        .args(&args)
-        .output()
-        .expect("docker ps");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .filter(|l| !l.is_empty())
-        .collect()
-}
-
-pub fn remove_containers_of(instance: &str) {
-    let ids = containers_of(instance);
-    if !ids.is_empty() {
-        let _ = Command::new("docker")
-            .arg("rm")
-            .arg("-f")
-            .args(&ids)
-            .output();
-    }
-}
-
-/// `docker inspect` of one container, as JSON.
-pub fn inspect(id: &str) -> Value {
-    let out = Command::new("docker")
-        .args(["inspect", id])
-        .output()
-        .expect("docker inspect");
-    let list: Value = serde_json::from_slice(&out.stdout).expect("inspect json");
-    list[0].clone()
-}
-
 impl Drop for TestBroker {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
@@ -248,4 +206,47 @@ pub fn stderr(v: &Value) -> &str {
 
 pub fn session(v: &Value) -> String {
     v["session_id"].as_str().expect("session_id").to_string()
+}
+
+/// A response's status and its body as JSON (after any keep-alive whitespace), or as a
+/// JSON string when it is not JSON.
+pub async fn answer(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    let text = resp.text().await.expect("body");
+    let json = serde_json::from_str(text.trim()).unwrap_or(Value::String(text));
+    (status, json)
+}
+
+/// A multipart body written byte by byte, so that any bytes can go in a field or the file
+/// name: the `fields` text parts, then one part `file` named `file_name` (with a
+/// `Content-Type` when `file_type` gives one). The content type to send, and the body.
+pub fn raw_multipart(
+    fields: &[(&str, &[u8])],
+    file_name: &[u8],
+    file_type: Option<&str>,
+    content: &[u8],
+) -> (String, Vec<u8>) {
+    let boundary = "codebroker-test-boundary-7d1f";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n")
+                .as_bytes(),
+        );
+        body.extend_from_slice(value);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(
+        format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"")
+            .as_bytes(),
+    );
+    body.extend_from_slice(file_name);
+    body.extend_from_slice(b"\"\r\n");
+    if let Some(file_type) = file_type {
+        body.extend_from_slice(format!("Content-Type: {file_type}\r\n").as_bytes());
+    }
+    body.extend_from_slice(b"\r\n");
+    body.extend_from_slice(content);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
 }

@@ -1,19 +1,20 @@
 // Starts one codebroker binary for a test file, as an operator would run it, and removes
-// everything it made when the file is done. Shared by the Node suites that need nothing
-// but node's own modules to launch it (tests/lobe, tests/playground).
+// everything it made when the file is done. The one launcher of the Node suites
+// (tests/lobe, tests/playground, tests/librechat); it needs nothing but node's own modules.
 //
 // The binary is target/debug/codebroker (built by the suite's make target), or
 // CODEBROKER_BIN. The instance label is <name>-test-<pid>-<n>; the data directory is
-// temporary. `startBroker({ auth: 'none' })` runs without a key.
+// temporary (kept when KEEP_BROKER_DATA is set). `startBroker({ auth: 'none' })` runs
+// without a key.
 
 import { spawn, execFileSync } from 'node:child_process';
 import { createServer } from 'node:net';
-import { mkdtemp, rm, readFile } from 'node:fs/promises';
+import { mkdtemp, rm, readFile, writeFile } from 'node:fs/promises';
 import { openSync, closeSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { randomBytes } from 'node:crypto';
+import { randomBytes, generateKeyPairSync } from 'node:crypto';
 
 const REPO_DIR = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 let started = 0;
@@ -30,7 +31,8 @@ async function freePort() {
   });
 }
 
-function removeContainers(instance) {
+/** `docker ps -aq --filter label=codebroker.instance=<instance> | xargs docker rm -f` */
+export function removeContainers(instance) {
   try {
     const ids = execFileSync('docker', ['ps', '-aq', '--filter', `label=codebroker.instance=${instance}`], {
       encoding: 'utf8',
@@ -57,12 +59,30 @@ process.once('exit', () => {
     rmSync(dataDir, { recursive: true, force: true });
   }
 });
-for (const sig of ['SIGINT', 'SIGTERM']) {
-  process.once(sig, () => process.exit(128 + (sig === 'SIGINT' ? 2 : 15)));
+for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) {
+  process.once(sig, () => process.exit(128 + { SIGHUP: 1, SIGINT: 2, SIGTERM: 15 }[sig]));
 }
 
-/** A broker on a free loopback port; with a random API key unless `auth: 'none'`. */
-export async function startBroker({ name = 'node', auth = 'key' } = {}) {
+/**
+ * A broker on a free loopback port; with a random API key unless `auth: 'none'`.
+ *
+ * @param {object} [opts]
+ * @param {string} [opts.name] the suite's name, in the instance label and the data directory
+ * @param {'key'|'none'} [opts.auth] `none` runs without credentials (and no key)
+ * @param {string} [opts.poolSize] CODEBROKER_POOL_SIZE
+ * @param {boolean} [opts.publicUrl] set CODEBROKER_PUBLIC_URL to the broker's own address
+ * @param {string} [opts.jwtKid] also trust an Ed25519 key generated here, under this `kid`,
+ *   for JWTs; its private half comes back as `jwtKeys`
+ * @param {Record<string,string>} [opts.env] extra CODEBROKER_* settings
+ */
+export async function startBroker({
+  name = 'node',
+  auth = 'key',
+  poolSize = '0',
+  publicUrl = true,
+  jwtKid = null,
+  env: extraEnv = {},
+} = {}) {
   const bin = process.env.CODEBROKER_BIN
     ? resolve(process.env.CODEBROKER_BIN)
     : resolve(REPO_DIR, 'target/debug/codebroker');
@@ -78,9 +98,18 @@ export async function startBroker({ name = 'node', auth = 'key' } = {}) {
     CODEBROKER_API_KEY: apiKey,
     CODEBROKER_DATA_DIR: join(dataDir, 'data'),
     CODEBROKER_INSTANCE: instance,
-    CODEBROKER_POOL_SIZE: '0',
-    CODEBROKER_PUBLIC_URL: root,
+    CODEBROKER_POOL_SIZE: poolSize,
+    ...(publicUrl ? { CODEBROKER_PUBLIC_URL: root } : {}),
+    ...extraEnv,
   };
+  let jwtKeys = null;
+  if (jwtKid) {
+    const { privateKey, publicKey } = generateKeyPairSync('ed25519');
+    const pubPath = join(dataDir, 'jwt.pub.pem');
+    await writeFile(pubPath, publicKey.export({ type: 'spki', format: 'pem' }));
+    env.CODEBROKER_JWT_PUBLIC_KEYS = `${jwtKid}=${pubPath}`;
+    jwtKeys = { privateKey, kid: jwtKid };
+  }
   const logPath = join(dataDir, 'broker.log');
   const logFd = openSync(logPath, 'a');
   const child = spawn(bin, [], { env, stdio: ['ignore', logFd, logFd] });
@@ -101,7 +130,11 @@ export async function startBroker({ name = 'node', auth = 'key' } = {}) {
     }
     removeContainers(instance);
     running.delete(child);
-    await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    if (process.env.KEEP_BROKER_DATA) {
+      process.stderr.write(`broker data kept in ${dataDir}\n`);
+    } else {
+      await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    }
   };
 
   const deadline = Date.now() + 60_000;
@@ -125,5 +158,5 @@ export async function startBroker({ name = 'node', auth = 'key' } = {}) {
     }
     await new Promise((r) => setTimeout(r, 200));
   }
-  return { root, apiKey, instance, log, stop };
+  return { root, apiKey, instance, dataDir, log, stop, jwtKeys };
 }

@@ -1,0 +1,268 @@
+//! `make bench`: the broker's latency, throughput and footprint, each beside its goal and
+//! its baseline, measured in one run and printed as one table (this machine is shared and
+//! noisy, so only same-run numbers compare).
+//!
+//! Rows: warm `print(1)` through `/exec` (baseline: `docker exec` into the same
+//! container); the first exec of a new session with the pool warm and without a pool
+//! (baseline: `docker run --rm`); 20 new sessions at once (the first burst, then again
+//! with the pool grown, and where a burst of cold starts spends its CPU); 8 sessions x 200 warm execs in
+//! parallel; 10,000 lines of output; a 1 MiB upload read by an exec; 100 MiB up and down;
+//! 200 idle sessions held (broker RSS, memory per container); a C program compiled, then
+//! rerun from the compile cache; the first `import pandas`; a tool-call round trip; a
+//! LibreChat-like churn of many users (containers alive and memory over time).
+//!
+//! `BENCH_QUICK=1` runs every row with small counts (a smoke run of a minute or two);
+//! `BENCH_N` multiplies the counts of the full run. `BENCH_ROWS=warm,new` runs only the
+//! named groups (`warm`, `new`, `burst`, `files`, `idle`, `churn`), e.g. to compare
+//! runtimes (`CODEBROKER_RUNTIME=runsc`, read by the broker and the `docker run` baseline).
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+mod cpu;
+mod rows;
+mod table;
+
+use codebroker::config::Config;
+use common::TestBroker;
+use serde_json::Value;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Whether the row group `name` runs: every group unless `BENCH_ROWS` names some.
+fn wanted(name: &str) -> bool {
+    std::env::var("BENCH_ROWS")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .is_none_or(|v| v.split(',').any(|g| g.trim() == name))
+}
+
+/// `--runtime <name>` for a baseline `docker run`, as the broker runs its sandboxes.
+fn runtime_args() -> Vec<String> {
+    match std::env::var("CODEBROKER_RUNTIME") {
+        Ok(r) if !r.trim().is_empty() => vec!["--runtime".into(), r.trim().to_string()],
+        _ => Vec::new(),
+    }
+}
+
+/// How many samples rows take: the full run or the smoke run.
+#[derive(Clone, Copy)]
+struct Scale {
+    /// `BENCH_QUICK` set.
+    quick: bool,
+    /// `BENCH_N`.
+    n: usize,
+}
+
+impl Scale {
+    /// `full` in a full run (times `BENCH_N`), `quick` in a smoke run.
+    fn pick(self, full: usize, quick: usize) -> usize {
+        if self.quick {
+            quick
+        } else {
+            full * self.n
+        }
+    }
+}
+
+/// A broker in this process on a port of its own, driven by a client that keeps many
+/// connections open (the parallel rows); its containers are removed when it stops.
+struct Bench {
+    /// The broker, from the tests' harness.
+    broker: TestBroker,
+}
+
+impl std::ops::Deref for Bench {
+    type Target = TestBroker;
+
+    fn deref(&self) -> &TestBroker {
+        &self.broker
+    }
+}
+
+impl Bench {
+    async fn start(tag: &str, data: &std::path::Path, adjust: impl FnOnce(&mut Config)) -> Bench {
+        let instance = format!("bench-{tag}-{}", std::process::id());
+        let mut config = Config::for_tests(data.join(tag), &instance);
+        config.pool_size = 0;
+        adjust(&mut config);
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("client");
+        Bench {
+            broker: TestBroker::serve_with_client(config, client).await,
+        }
+    }
+
+    async fn try_exec(&self, body: &Value) -> Result<Value, String> {
+        let resp = self
+            .client
+            .post(self.url("/exec"))
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body: Value = resp.json().await.map_err(|e| e.to_string())?;
+        if status != 200 {
+            return Err(format!("{status}: {body}"));
+        }
+        Ok(body)
+    }
+
+    async fn exec(&self, body: Value) -> Value {
+        self.try_exec(&body).await.expect("exec")
+    }
+
+    async fn health(&self) -> Value {
+        self.client
+            .get(self.url("/health"))
+            .send()
+            .await
+            .expect("health")
+            .json()
+            .await
+            .expect("json")
+    }
+
+    async fn wait_pool(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.health().await["pool"]["ready"].as_u64().unwrap_or(0) < n
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn upload(&self, name: &str, bytes: Vec<u8>) -> Value {
+        let part = reqwest::multipart::Part::bytes(bytes).file_name(name.to_string());
+        let form = reqwest::multipart::Form::new().part("file", part);
+        let resp = self
+            .client
+            .post(self.url("/upload"))
+            .multipart(form)
+            .send()
+            .await
+            .expect("upload");
+        assert_eq!(resp.status(), 200);
+        resp.json().await.expect("json")
+    }
+
+    /// Stops serving, waits for the server to end, and removes the containers.
+    async fn stop(self) {
+        let instance = self.broker.instance.clone();
+        self.broker.stop().await;
+        common::remove_containers_of(&instance);
+    }
+}
+
+/// Memory a container uses now, from its cgroup (v1, then v2), in bytes.
+fn container_memory(id: &str) -> Option<u64> {
+    [
+        format!("/sys/fs/cgroup/memory/docker/{id}/memory.usage_in_bytes"),
+        format!("/sys/fs/cgroup/system.slice/docker-{id}.scope/memory.current"),
+    ]
+    .iter()
+    .find_map(|p| std::fs::read_to_string(p).ok())
+    .and_then(|s| s.trim().parse().ok())
+}
+
+/// The resident memory of this process (the broker runs in it), in bytes.
+fn own_rss() -> u64 {
+    common::child::proc_status_bytes(std::process::id(), "VmRSS")
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn time_command(args: &[&str]) -> Duration {
+    let started = Instant::now();
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("command");
+    let took = started.elapsed();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    took
+}
+
+async fn timed<F: std::future::Future>(f: F) -> (Duration, F::Output) {
+    let started = Instant::now();
+    let out = f.await;
+    (started.elapsed(), out)
+}
+
+#[tokio::main]
+async fn main() {
+    let scale = Scale {
+        quick: std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0"),
+        n: std::env::var("BENCH_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1),
+    };
+    let command: Vec<String> = std::env::args().collect();
+    println!("codebroker bench");
+    println!(
+        "date: {}",
+        String::from_utf8_lossy(
+            &Command::new("date")
+                .arg("-u")
+                .output()
+                .map(|o| o.stdout)
+                .unwrap_or_default()
+        )
+        .trim()
+    );
+    println!(
+        "load before: {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    println!(
+        "command: BENCH_QUICK={} BENCH_N={} BENCH_ROWS={} CODEBROKER_RUNTIME={} CODEBROKER_IMAGE={} {}",
+        std::env::var("BENCH_QUICK").unwrap_or_default(),
+        scale.n,
+        std::env::var("BENCH_ROWS").unwrap_or_default(),
+        std::env::var("CODEBROKER_RUNTIME").unwrap_or_default(),
+        common::image(),
+        command.join(" ")
+    );
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut rows = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+
+    if wanted("warm") {
+        rows::warm::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("new") {
+        rows::new_session::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("burst") {
+        rows::burst::rows(scale, tmp.path(), &mut rows, &mut notes).await;
+    }
+    if wanted("files") {
+        rows::files::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("idle") {
+        rows::idle::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("churn") {
+        rows::churn::rows(scale, tmp.path(), &mut rows, &mut notes).await;
+    }
+
+    println!(
+        "load after: {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    println!();
+    table::print(&rows, &notes);
+}

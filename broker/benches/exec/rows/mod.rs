@@ -1,0 +1,9 @@
+//! The groups of rows, each run when `BENCH_ROWS` names it (or names none): `warm`,
+//! `new`, `burst`, `files`, `idle`, `churn`.
+
+pub(crate) mod burst;
+pub(crate) mod churn;
+pub(crate) mod files;
+pub(crate) mod idle;
+pub(crate) mod new_session;
+pub(crate) mod warm;

@@ -1,0 +1,116 @@
+//! The Docker engine as the suites and the bench see it from outside the broker: the
+//! sandbox image, an instance's containers by label, `docker inspect`, and cleanup.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+/// The sandbox image under test: `CODEBROKER_IMAGE` (as the broker reads it), else the
+/// image `make image` builds.
+pub fn image() -> String {
+    std::env::var("CODEBROKER_IMAGE").unwrap_or_else(|_| "codebroker-sandbox:latest".into())
+}
+
+/// Fails the test at once, with the fix, when the sandbox image is missing.
+pub fn require_image() {
+    let image = image();
+    let ok = Command::new("docker")
+        .args(["image", "inspect", &image])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "the sandbox image {image} is missing: run `make image` first"
+    );
+}
+
+/// `docker <args>`, its output; panics only when the CLI cannot be started.
+pub fn docker(args: &[&str]) -> Output {
+    Command::new("docker")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("docker {args:?}: {e}"))
+}
+
+/// Ids of this instance's containers, stopped ones included.
+pub fn containers_of(instance: &str) -> Vec<String> {
+    containers_matching(instance, &[])
+}
+
+/// Ids of this instance's containers that also carry every label in `labels` (`k=v`).
+pub fn containers_matching(instance: &str, labels: &[&str]) -> Vec<String> {
+    list_containers(instance, labels, true)
+}
+
+/// Ids of this instance's running containers.
+pub fn running_containers_of(instance: &str) -> Vec<String> {
+    list_containers(instance, &[], false)
+}
+
+/// `docker ps` on the instance label and `labels`; with `all`, stopped containers too.
+fn list_containers(instance: &str, labels: &[&str], all: bool) -> Vec<String> {
+    let mut args = vec!["ps".to_string(), "-q".into(), "--no-trunc".into()];
+    if all {
+        args.push("-a".into());
+    }
+    args.extend([
+        "--filter".to_string(),
+        format!("label=codebroker.instance={instance}"),
+    ]);
+    for label in labels {
+        args.extend(["--filter".to_string(), format!("label={label}")]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    String::from_utf8_lossy(&docker(&args).stdout)
+        .lines()
+        .map(str::to_string)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// The id of the one container of this instance labelled with `session_id`.
+pub fn container_of(instance: &str, session_id: &str) -> String {
+    let label = format!("codebroker.session={session_id}");
+    let ids = containers_matching(instance, &[&label]);
+    assert_eq!(ids.len(), 1, "containers of {session_id}: {ids:?}");
+    ids[0].clone()
+}
+
+/// Removes every container of the instance, as a broker that never came back would leave
+/// them.
+pub fn remove_containers_of(instance: &str) {
+    let ids = containers_of(instance);
+    if !ids.is_empty() {
+        let _ = Command::new("docker")
+            .arg("rm")
+            .arg("-f")
+            .args(&ids)
+            .output();
+    }
+}
+
+/// `docker kill` of one container from outside the broker.
+pub fn kill_container(id: &str) -> Output {
+    docker(&["kill", id])
+}
+
+/// `docker inspect` of one container, as JSON.
+pub fn inspect(id: &str) -> Value {
+    let out = docker(&["inspect", id]);
+    let list: Value = serde_json::from_slice(&out.stdout).expect("inspect json");
+    list[0].clone()
+}
+
+/// Whether the container is running (a removed one is not).
+pub fn is_running(id: &str) -> bool {
+    inspect(id)["State"]["Running"].as_bool().unwrap_or(false)
+}
+
+/// Removes an instance's containers when dropped, however the test ends.
+pub struct RemoveContainers(pub String);
+
+impl Drop for RemoveContainers {
+    fn drop(&mut self) {
+        remove_containers_of(&self.0);
+    }
+}
