@@ -412,6 +412,8 @@ fn java_is_named_after_its_public_class() {
         "public class Greeter { public static void main(String[] a) { System.out.println(\"hi \" + a[0]); } }",
     );
     rq.args = vec!["there".into()];
+    // javac alone takes seconds on a loaded 2-core host.
+    rq.timeout_ms = 120_000;
     let resp = r.exec(1, rq);
     assert_eq!(resp.stdout, "hi there\n", "{}", resp.stderr);
 }
@@ -540,7 +542,8 @@ fn output_is_capped() {
     // An endless writer is stopped by the time limit, not by a blocked pipe.
     let mut rq = req(Language::Bash, "yes");
     rq.max_output_bytes = 10;
-    rq.timeout_ms = 300;
+    // Long enough for `yes` to be scheduled on a loaded host; it fills the cap at once.
+    rq.timeout_ms = 2_000;
     let resp = r.exec(2, rq);
     assert_eq!(resp.limits, vec![Limit::Time, Limit::Stdout]);
     assert_eq!(resp.stdout, "y\ny\ny\ny\ny\n");
