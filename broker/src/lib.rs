@@ -5,6 +5,7 @@
 
 pub mod audit;
 pub mod cli;
+mod clock;
 pub mod config;
 pub mod core;
 pub mod http;
@@ -12,6 +13,7 @@ pub mod identity;
 pub mod ids;
 pub mod mcp;
 pub mod metrics;
+mod render;
 pub mod sandbox;
 pub mod session;
 pub mod smoke;
@@ -63,9 +65,9 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     if !docker.image_present().await {
         tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
     }
-    let mut broker = Broker::new(config, docker);
-    broker.jwt = jwt;
-    let broker = Arc::new(broker);
+    // Checked here, so a bad key stops the start; `run` loads them again for the routes.
+    drop(jwt);
+    let broker = Arc::new(Broker::new(config, docker));
     broker
         .reconcile()
         .await
@@ -89,7 +91,9 @@ pub async fn run(
     ));
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop_rx.clone()));
 
-    let state = http::AppState::new(broker.clone());
+    let jwt = http::jwt::JwtKeys::from_config(&broker.config)
+        .context("cannot load the JWT public keys")?;
+    let state = http::AppState::new(broker.clone(), jwt);
     let stopping = state.shutdown.clone();
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");

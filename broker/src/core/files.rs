@@ -2,12 +2,13 @@
 //! Blocking disk work runs on the blocking pool; each session's index changes only while
 //! its turn is held, so an exec's harvest and an upload never overwrite each other.
 
+use crate::clock::now_ms;
+use crate::core::error::{Error, Result};
 use crate::core::{Broker, InputFile};
-use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::session::Session;
 use crate::workspace::{
-    human_bytes, now_ms, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
+    human_bytes, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -44,9 +45,9 @@ impl Broker {
     }
 
     /// A client-chosen file name as a path beneath `/mnt/data`, or a clear 400.
-    pub fn check_upload_name(name: &str) -> AppResult<PathBuf> {
+    pub fn check_upload_name(name: &str) -> Result<PathBuf> {
         safe_relative_path(name).ok_or_else(|| {
-            AppError::BadRequest(format!(
+            Error::BadRequest(format!(
                 "invalid file name {name:?}: it must be a relative path without '..' \
                  (for example data.csv or skills/pptx/SKILL.md)"
             ))
@@ -96,7 +97,7 @@ impl Broker {
         session: &Arc<Session>,
         files: Vec<StagedFile>,
         options: UploadOptions,
-    ) -> AppResult<Vec<FileRecord>> {
+    ) -> Result<Vec<FileRecord>> {
         let _turn = session.acquire().await;
         let workspace = session.workspace.clone();
         let uid = self.config.sandbox_uid;
@@ -109,13 +110,13 @@ impl Broker {
         let (index, records, unused, result) = tokio::task::spawn_blocking(move || {
             let mut records = Vec::new();
             let mut unused = Vec::new();
-            let mut store = |file: StagedFile| -> AppResult<()> {
+            let mut store = |file: StagedFile| -> Result<()> {
                 let name = file.name.to_string_lossy().into_owned();
                 let extra = index.cost_of(Some(&file.sha256), file.size);
                 let Some(dropped) =
                     index.make_room(extra, budget.room, Some(&name), Some(&file.sha256))
                 else {
-                    return Err(AppError::PayloadTooLarge(format!(
+                    return Err(Error::TooLarge(format!(
                         "{name} ({}) does not fit {}: the session keeps {} of file versions \
                          that are still current. Delete files first",
                         human_bytes(file.size),
@@ -127,7 +128,7 @@ impl Broker {
                 workspace
                     .create_blobs_dir()
                     .and_then(|()| workspace.commit_blob(&file.temp, &file.sha256))
-                    .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
+                    .map_err(|e| Error::internal(format!("cannot store upload: {e}")))?;
                 // The workspace is the code's: a directory, or a link leading out of it,
                 // may stand where the name goes. That is the name's problem, not ours.
                 let placed = workspace.place_blob(
@@ -141,11 +142,11 @@ impl Broker {
                     Err(e) => {
                         unused.push(file.sha256.clone());
                         return Err(match in_the_way(&e) {
-                            Some(why) => AppError::Conflict(format!(
+                            Some(why) => Error::Conflict(format!(
                                 "cannot place {:?} in /mnt/data: {why}",
                                 file.name
                             )),
-                            None => AppError::internal(format!("cannot place upload: {e}")),
+                            None => Error::internal(format!("cannot place upload: {e}")),
                         });
                     }
                 };
@@ -176,7 +177,7 @@ impl Broker {
             (index, records, unused, result)
         })
         .await
-        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))?;
+        .map_err(|e| Error::internal(format!("upload task failed: {e}")))?;
         // What was stored before a failure stays, recorded.
         *session.index() = index.clone();
         save_index(&session.workspace, &index).await?;
@@ -198,7 +199,7 @@ impl Broker {
         session: &Arc<Session>,
         files: &[InputFile],
         notes: &mut Vec<String>,
-    ) -> AppResult<()> {
+    ) -> Result<()> {
         let mut placed = Vec::new();
         let budget = self.storage_budget(session);
         for file in files {
@@ -209,7 +210,7 @@ impl Broker {
                 match self.registry.get(&file.session_id) {
                     Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
                     Some(_) => {
-                        return Err(AppError::Forbidden(
+                        return Err(Error::Forbidden(
                             "an input file belongs to another user".into(),
                         ))
                     }
@@ -273,7 +274,7 @@ impl Broker {
                 to.place_blob(&blob, &target_for_copy, uid, rec.read_only)
             })
             .await
-            .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
+            .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
             match result {
                 Ok(stamp) => placed.push(FileRecord {
                     // Restoring a version of this session at its own name keeps its id;
@@ -323,13 +324,13 @@ impl Broker {
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the
     /// sandbox's copy when it is still that version.
-    pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> AppResult<()> {
+    pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> Result<()> {
         let _turn = session.acquire().await;
         let (dropped, index) = {
             let mut index = session.index();
             let dropped = index.remove(file_id);
             if dropped.records.is_empty() {
-                return Err(AppError::NotFound(format!("file {file_id} not found")));
+                return Err(Error::NotFound(format!("file {file_id} not found")));
             }
             (dropped, index.clone())
         };
@@ -342,7 +343,7 @@ impl Broker {
             workspace.delete_unused_blobs(&index, &dropped.blobs);
         })
         .await
-        .map_err(|e| AppError::internal(format!("delete task failed: {e}")))?;
+        .map_err(|e| Error::internal(format!("delete task failed: {e}")))?;
         Ok(())
     }
 
@@ -421,11 +422,11 @@ pub(crate) async fn delete_unused_blobs(
 pub(crate) async fn save_index(
     workspace: &Workspace,
     index: &crate::workspace::FileIndex,
-) -> AppResult<()> {
+) -> Result<()> {
     let workspace = workspace.clone();
     let index = index.clone();
     tokio::task::spawn_blocking(move || workspace.save_index(&index))
         .await
-        .map_err(|e| AppError::internal(format!("index task failed: {e}")))?
-        .map_err(|e| AppError::internal(format!("cannot save the file index: {e}")))
+        .map_err(|e| Error::internal(format!("index task failed: {e}")))?
+        .map_err(|e| Error::internal(format!("cannot save the file index: {e}")))
 }

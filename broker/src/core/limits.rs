@@ -12,10 +12,10 @@
 //! not either, as all those users share the key; a front end that names its users
 //! (`User-Id`, a JWT) gets a budget per user.
 
+use crate::clock::now_ms;
 use crate::config::Config;
-use crate::http::error::{AppError, AppResult};
+use crate::core::error::{Error, Result};
 use crate::session::Registry;
-use crate::workspace::now_ms;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
@@ -129,12 +129,12 @@ impl Limits {
     }
 
     /// Takes one exec from `user`'s budget, or says when the next one is allowed.
-    pub fn check_exec(&self, user: Option<&str>) -> AppResult<()> {
+    pub fn check_exec(&self, user: Option<&str>) -> Result<()> {
         let Some(rate) = &self.exec_rate else {
             return Ok(());
         };
         rate.take(user, Instant::now())
-            .map_err(|retry_after_seconds| AppError::RateLimited {
+            .map_err(|retry_after_seconds| Error::RateLimited {
                 message: format!(
                     "too many executions: at most {} per minute{}; retry in {retry_after_seconds} s",
                     rate.per_minute,
@@ -149,7 +149,7 @@ impl Limits {
         &self,
         registry: &Registry,
         user: Option<&str>,
-    ) -> AppResult<ContainerSlot<'_>> {
+    ) -> Result<ContainerSlot<'_>> {
         if self.max_per_user == 0 && self.max_total == 0 {
             return Ok(ContainerSlot {
                 limits: self,
@@ -183,10 +183,10 @@ impl Limits {
         live: &[LiveSession],
         user: Option<&str>,
         now_ms: u64,
-    ) -> AppResult<()> {
+    ) -> Result<()> {
         let key: UserKey = user.map(str::to_string);
         if self.max_total > 0 && live.len() + starting.total >= self.max_total {
-            return Err(AppError::RateLimited {
+            return Err(Error::RateLimited {
                 message: format!(
                     "the broker is at capacity ({} sandboxes running); retry later",
                     self.max_total
@@ -197,7 +197,7 @@ impl Limits {
         let starting_mine = starting.per_user.get(&key).copied().unwrap_or(0);
         let mine = live.iter().filter(|s| s.user == key);
         if self.max_per_user > 0 && mine.clone().count() + starting_mine >= self.max_per_user {
-            return Err(AppError::RateLimited {
+            return Err(Error::RateLimited {
                 message: format!(
                     "too many live sessions: at most {} with a running sandbox{}; reuse a \
                      session_id or retry later",
@@ -309,9 +309,9 @@ mod tests {
         Limits::from_config(&config, None)
     }
 
-    fn retry_after(err: AppError) -> u64 {
+    fn retry_after(err: Error) -> u64 {
         match err {
-            AppError::RateLimited {
+            Error::RateLimited {
                 retry_after_seconds,
                 ..
             } => retry_after_seconds,
@@ -384,9 +384,7 @@ mod tests {
         assert!(on.check_exec(Some("u")).is_ok());
         assert!(on.check_exec(Some("u")).is_ok());
         let err = on.check_exec(Some("u")).expect_err("third is over");
-        let body = err.body();
-        assert_eq!(body["error"], "rate_limited");
-        assert_eq!(body["retry_after_seconds"], 1);
+        assert_eq!(retry_after(err), 1);
         // The burst defaults to the per-minute rate.
         let default_burst = limits(|c| c.rate_execs_per_minute = 3);
         for _ in 0..3 {

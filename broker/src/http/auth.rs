@@ -192,9 +192,9 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
     let broker = &state.broker;
     let config = &broker.config;
     if let Some(token) = bearer_token(headers) {
-        if !broker.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
+        if !state.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
         {
-            return match broker.jwt.verify(token) {
+            return match state.jwt.verify(token) {
                 Ok(verified) => {
                     tracing::debug!(user = %verified.user, tenant = ?verified.tenant_id, "JWT accepted");
                     Ok(HeaderAuth::Jwt(verified.user))

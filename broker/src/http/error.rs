@@ -82,7 +82,7 @@ impl AppError {
         let message = match self {
             AppError::Internal(err) => {
                 tracing::error!(error = ?err, "internal error");
-                "internal error; see the broker's log".to_string()
+                crate::core::error::INTERNAL_MESSAGE.to_string()
             }
             other => other.to_string(),
         };
@@ -119,6 +119,30 @@ impl IntoResponse for AppError {
 }
 
 pub type AppResult<T> = Result<T, AppError>;
+
+impl From<crate::core::Error> for AppError {
+    /// The core's errors as the API answers them: each has its own status and code.
+    fn from(err: crate::core::Error) -> AppError {
+        use crate::core::Error;
+        match err {
+            Error::BadRequest(m) => AppError::BadRequest(m),
+            Error::UnsupportedLanguage(m) => AppError::UnsupportedLanguage(m),
+            Error::Forbidden(m) => AppError::Forbidden(m),
+            Error::NotFound(m) => AppError::NotFound(m),
+            Error::Conflict(m) => AppError::Conflict(m),
+            Error::TooLarge(m) => AppError::PayloadTooLarge(m),
+            Error::RateLimited {
+                message,
+                retry_after_seconds,
+            } => AppError::RateLimited {
+                message,
+                retry_after_seconds,
+            },
+            Error::Unavailable(m) => AppError::Unavailable(m),
+            Error::Internal(err) => AppError::Internal(err),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

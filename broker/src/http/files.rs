@@ -7,8 +7,9 @@ use crate::core::Broker;
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::ids::{is_valid_id, new_id};
+use crate::render::content_type;
 use crate::session::Session;
-use crate::workspace::{content_type, FileRecord};
+use crate::workspace::FileRecord;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
 use axum::http::header;
@@ -58,46 +59,25 @@ pub fn router() -> Router<AppState> {
         .route("/download/{session_id}/{file_id}", get(download))
 }
 
-/// Checks the ids' shape (400), finds the session (404) and checks the caller may see it
-/// (404 too, so other users' sessions cannot be probed).
-pub fn visible_session(
-    state: &AppState,
-    caller: &Caller,
-    session_id: &str,
-) -> AppResult<Arc<Session>> {
-    if !is_valid_id(session_id) {
-        return Err(AppError::BadRequest(format!(
-            "invalid session id: {session_id:?}"
-        )));
-    }
-    state
+/// The session `session_id` if the caller may see it (see [`Broker::visible_session`]).
+///
+/// [`Broker::visible_session`]: crate::core::Broker::visible_session
+fn visible_session(state: &AppState, caller: &Caller, session_id: &str) -> AppResult<Arc<Session>> {
+    Ok(state
         .broker
-        .registry
-        .get(session_id)
-        .filter(|s| s.visible_to(caller.user.as_deref()))
-        .ok_or_else(|| AppError::NotFound(format!("session {session_id} not found")))
+        .visible_session(caller.user.as_deref(), session_id)?)
 }
 
-/// The live (not expired) record of `file_id` in a session the caller may see.
+/// The live record of `file_id` in a session the caller may see.
 fn visible_record(
     state: &AppState,
     caller: &Caller,
     session_id: &str,
     file_id: &str,
 ) -> AppResult<(Arc<Session>, FileRecord)> {
-    if !is_valid_id(file_id) {
-        return Err(AppError::BadRequest(format!(
-            "invalid file id: {file_id:?}"
-        )));
-    }
-    let session = visible_session(state, caller, session_id)?;
-    let record = session
-        .index()
-        .get(file_id)
-        .cloned()
-        .filter(|r| !state.broker.is_expired(r))
-        .ok_or_else(|| AppError::NotFound(format!("file {file_id} not found")))?;
-    Ok((session, record))
+    Ok(state
+        .broker
+        .visible_record(caller.user.as_deref(), session_id, file_id)?)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -168,9 +148,9 @@ async fn read_form(
         }
         let name = match Broker::check_upload_name(&file_name) {
             Ok(n) => n,
-            Err(err) if strict => return Err(err),
+            Err(err) if strict => return Err(err.into()),
             Err(err) => {
-                form.refused.push((file_name, err));
+                form.refused.push((file_name, err.into()));
                 continue;
             }
         };
@@ -273,7 +253,7 @@ async fn upload_session(
             return Ok(s);
         }
     }
-    broker.new_session(user, field("entity_id"), false).await
+    Ok(broker.new_session(user, field("entity_id"), false).await?)
 }
 
 fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {

@@ -42,10 +42,12 @@ pub struct AppState {
     /// The last Docker probe of `/health`, so a flood of health checks is not a flood of
     /// Docker calls.
     pub(crate) health: Arc<health::HealthCache>,
+    /// Public keys that verify LibreChat's JWTs; empty unless configured.
+    pub(crate) jwt: Arc<jwt::JwtKeys>,
 }
 
 impl AppState {
-    pub fn new(broker: Arc<Broker>) -> AppState {
+    pub fn new(broker: Arc<Broker>, jwt: jwt::JwtKeys) -> AppState {
         // Rounded up, as each request's reservation is: a budget that is not a whole
         // number of units still holds a body of its full size.
         let units = broker
@@ -62,6 +64,7 @@ impl AppState {
             health: Arc::default(),
             runs: Arc::default(),
             shutdown: tokio_util::sync::CancellationToken::new(),
+            jwt: Arc::new(jwt),
         }
     }
 }

@@ -14,16 +14,17 @@
 pub mod codemode;
 
 use crate::core::files::{StagedFile, UploadOptions};
-use crate::core::{Broker, ExecHooks, ExecInput, ExecOutput, SessionChoice};
+use crate::core::{Broker, Error, ExecHooks, ExecInput, SessionChoice};
 use crate::http::auth::Caller;
-use crate::http::error::AppError;
-use crate::http::exec::output_json;
-use crate::http::files::visible_session;
 use crate::http::AppState;
 use crate::ids::{is_valid_id, new_id};
 use crate::mcp::codemode::CodeMode;
+use crate::render::{
+    content_type, download_url, inline_image_mime, mcp_exec_result, read_blob,
+    MAX_INLINE_IMAGE_BYTES,
+};
 use crate::session::Session;
-use crate::workspace::{content_type, FileRecord};
+use crate::workspace::FileRecord;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::Router;
@@ -50,8 +51,6 @@ use tokio_util::sync::CancellationToken;
 /// An MCP session with no traffic for this long is closed (rmcp's default is 5 minutes,
 /// shorter than a pause in a conversation); its client then starts a new one.
 const MCP_SESSION_IDLE: Duration = Duration::from_secs(3600);
-/// Largest image sent inline as an `image` block; larger ones are links.
-pub const MAX_INLINE_IMAGE_BYTES: u64 = 5 * 1024 * 1024;
 /// Largest text file `read_file` returns inline; larger ones are links.
 const MAX_INLINE_TEXT_BYTES: u64 = 1024 * 1024;
 
@@ -146,23 +145,6 @@ pub(crate) fn allowed_hosts(configured: &[String], public_url: &str) -> Option<V
         hosts.push(authority.to_string());
     }
     Some(hosts)
-}
-
-/// The absolute URL a file version downloads from.
-pub fn download_url(public_url: &str, session_id: &str, file_id: &str) -> String {
-    format!(
-        "{}/download/{session_id}/{file_id}",
-        public_url.trim_end_matches('/')
-    )
-}
-
-/// The MIME type of an image clients can show inline, or `None` for other files.
-pub fn inline_image_mime(name: &str) -> Option<&'static str> {
-    let base = name.rsplit('/').next().unwrap_or(name);
-    match content_type(base) {
-        mime @ ("image/png" | "image/jpeg" | "image/gif" | "image/webp") => Some(mime),
-        _ => None,
-    }
 }
 
 /// `execute_code` arguments.
@@ -417,28 +399,18 @@ async fn caller_of(ctx: &RequestContext<RoleServer>) -> Caller {
 }
 
 /// A failed call as the model sees it: the API's message (internal details stay in the log).
-fn tool_error(err: AppError) -> CallToolResult {
-    let message = err.body()["message"]
-        .as_str()
-        .unwrap_or("the call failed")
-        .to_string();
+fn tool_error(err: Error) -> CallToolResult {
+    let message = err.client_message();
     CallToolResult::error(vec![ContentBlock::text(format!("Error: {message}"))])
 }
 
 /// A session id argument, blanks dropped and its shape checked.
-fn session_arg(arg: Option<&str>) -> Result<Option<String>, AppError> {
+fn session_arg(arg: Option<&str>) -> Result<Option<String>, Error> {
     match arg.map(str::trim).filter(|s| !s.is_empty()) {
         None => Ok(None),
         Some(id) if is_valid_id(id) => Ok(Some(id.to_string())),
-        Some(id) => Err(AppError::BadRequest(format!("invalid session_id: {id:?}"))),
+        Some(id) => Err(Error::BadRequest(format!("invalid session_id: {id:?}"))),
     }
-}
-
-/// A file's bytes from the session's blob store.
-async fn read_blob(session: &Session, record: &FileRecord) -> Result<Vec<u8>, AppError> {
-    tokio::fs::read(session.workspace.blob_path(&record.sha256))
-        .await
-        .map_err(|_| AppError::NotFound(format!("file {:?} not found", record.name)))
 }
 
 impl CodeTools {
@@ -451,28 +423,49 @@ impl CodeTools {
     }
 
     /// The session named by the argument, else this MCP session's; `None` when neither.
-    async fn remembered_or(&self, arg: Option<&str>) -> Result<Option<String>, AppError> {
+    async fn remembered_or(&self, arg: Option<&str>) -> Result<Option<String>, Error> {
         match session_arg(arg)? {
             Some(id) => Ok(Some(id)),
             None => Ok(self.session.lock().await.clone()),
         }
     }
 
-    /// This MCP session's codebroker session (or `explicit`), made when there is none.
+    /// The codebroker session `open` gives for the one to continue (`explicit`, else this
+    /// MCP session's), remembered as this MCP session's from then on. The memory stays
+    /// locked meanwhile, so concurrent first calls share one session.
+    async fn remembering<F, Fut>(
+        &self,
+        explicit: Option<String>,
+        open: F,
+    ) -> Result<Arc<Session>, Error>
+    where
+        F: FnOnce(Option<String>) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<Session>, Error>>,
+    {
+        let mut remembered = self.session.lock().await;
+        let wanted = explicit.or_else(|| remembered.clone());
+        let session = open(wanted).await?;
+        *remembered = Some(session.id().to_string());
+        Ok(session)
+    }
+
+    /// This MCP session's codebroker session (or `explicit`) for an exec by `caller`,
+    /// admitted (the caller's exec rate) and made when there is none.
     async fn exec_session(
         &self,
         caller: &Caller,
         explicit: Option<String>,
-    ) -> Result<Arc<Session>, AppError> {
-        let mut remembered = self.session.lock().await;
-        let choice = SessionChoice {
-            user: caller.user.clone(),
-            session_id: explicit.or_else(|| remembered.clone()),
-            ..SessionChoice::default()
-        };
-        let session = self.broker().choose_session(&choice, &[]).await?;
-        *remembered = Some(session.id().to_string());
-        Ok(session)
+    ) -> Result<Arc<Session>, Error> {
+        let broker = self.broker();
+        self.remembering(explicit, |wanted| {
+            let choice = SessionChoice {
+                user: caller.user.clone(),
+                session_id: wanted,
+                ..SessionChoice::default()
+            };
+            async move { broker.admit_exec(&choice, &[]).await }
+        })
+        .await
     }
 
     /// `execute`: the code in this MCP session's codebroker session, with code mode's
@@ -482,7 +475,7 @@ impl CodeTools {
         args: ExecuteArgs,
         caller: &Caller,
         cancel: CancellationToken,
-    ) -> Result<CallToolResult, AppError> {
+    ) -> Result<CallToolResult, Error> {
         let lang = match args
             .lang
             .as_deref()
@@ -493,14 +486,13 @@ impl CodeTools {
             Some(l) => match l.parse::<Language>() {
                 Ok(lang @ (Language::Js | Language::Ts | Language::Py)) => lang,
                 _ => {
-                    return Err(AppError::BadRequest(format!(
+                    return Err(Error::BadRequest(format!(
                         "code mode runs js, ts or py, not {l:?}"
                     )))
                 }
             },
         };
         let broker = self.broker().clone();
-        broker.limits.check_exec(caller.user.as_deref())?;
         let session = self.exec_session(caller, None).await?;
         let outcome = self
             .codemode
@@ -522,26 +514,13 @@ impl CodeTools {
         args: ExecuteCodeArgs,
         caller: &Caller,
         cancel: CancellationToken,
-    ) -> Result<CallToolResult, AppError> {
+    ) -> Result<CallToolResult, Error> {
         let lang: Language = args
             .lang
             .parse()
-            .map_err(|_| AppError::UnsupportedLanguage(args.lang.clone()))?;
-        let user = caller.user.clone();
-        let broker = self.broker().clone();
-        broker.limits.check_exec(user.as_deref())?;
+            .map_err(|_| Error::UnsupportedLanguage(args.lang.clone()))?;
         let explicit = session_arg(args.session_id.as_deref())?;
-        let session = {
-            let mut remembered = self.session.lock().await;
-            let choice = SessionChoice {
-                user,
-                session_id: explicit.or_else(|| remembered.clone()),
-                ..SessionChoice::default()
-            };
-            let session = broker.choose_session(&choice, &[]).await?;
-            *remembered = Some(session.id().to_string());
-            session
-        };
+        let session = self.exec_session(caller, explicit).await?;
         let input = ExecInput {
             lang,
             code: args.code,
@@ -553,123 +532,42 @@ impl CodeTools {
             cancel: Some(cancel),
             ..ExecHooks::default()
         };
-        let exec_session = session.clone();
-        // A task of its own: the session's turn is released properly even if the client
-        // goes away half-way.
-        let output = tokio::spawn(async move { broker.exec(exec_session, input, hooks).await })
-            .await
-            .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
-        self.exec_result(&session, &output).await
+        let run = self.broker().spawn_exec(session, input, hooks);
+        let session = run.session.clone();
+        let output = run.await?;
+        Ok(mcp_exec_result(&session, &output, self.public_url()).await)
     }
 
-    /// `execute_code`'s result: output text, images inline, links to other files, the
-    /// `/exec` response as structured content, and `isError` when the code failed.
-    async fn exec_result(
-        &self,
-        session: &Session,
-        output: &ExecOutput,
-    ) -> Result<CallToolResult, AppError> {
-        let failed = output.exit_code != Some(0) || !output.limits.is_empty();
-        let mut text = String::new();
-        if !output.stdout.is_empty() {
-            text.push_str("stdout:\n");
-            text.push_str(&output.stdout);
-            if !output.stdout.ends_with('\n') {
-                text.push('\n');
-            }
-        }
-        if !output.stderr.is_empty() {
-            text.push_str("stderr:\n");
-            text.push_str(&output.stderr);
-            if !output.stderr.ends_with('\n') {
-                text.push('\n');
-            }
-        }
-        if text.is_empty() {
-            text.push_str("(no output)\n");
-        }
-        match output.exit_code {
-            Some(0) => {}
-            Some(code) => text.push_str(&format!("exit code: {code}\n")),
-            None => text.push_str("the program did not finish\n"),
-        }
-        if !output.limits.is_empty() {
-            let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
-            text.push_str(&format!("limits hit: {}\n", limits.join(", ")));
-        }
-        let mut content = vec![ContentBlock::text(text)];
-        let mut links = Vec::new();
-        for file in &output.files {
-            let url = download_url(self.public_url(), &output.session_id, &file.id);
-            let image =
-                inline_image_mime(&file.name).filter(|_| file.size <= MAX_INLINE_IMAGE_BYTES);
-            if let Some(mime) = image {
-                if let Ok(bytes) = read_blob(session, file).await {
-                    let data = base64::engine::general_purpose::STANDARD.encode(bytes);
-                    content.push(ContentBlock::image(data, mime));
-                    links.push(format!(
-                        "image /mnt/data/{} ({} bytes): {url}",
-                        file.name, file.size
-                    ));
-                    continue;
-                }
-            }
-            links.push(format!(
-                "file /mnt/data/{} ({} bytes): {url}",
-                file.name, file.size
-            ));
-        }
-        links.push(format!(
-            "session_id: {} (calls without session_id continue it; pass it to continue it elsewhere)",
-            output.session_id
-        ));
-        content.push(ContentBlock::text(links.join("\n")));
-        let mut result = if failed {
-            CallToolResult::error(content)
-        } else {
-            CallToolResult::success(content)
-        };
-        result.structured_content = Some(output_json(output));
-        Ok(result)
-    }
-
-    async fn upload(
-        &self,
-        args: UploadFileArgs,
-        caller: &Caller,
-    ) -> Result<CallToolResult, AppError> {
+    async fn upload(&self, args: UploadFileArgs, caller: &Caller) -> Result<CallToolResult, Error> {
         let broker = self.broker().clone();
         let name = Broker::check_upload_name(&args.name)?;
         let bytes = decode_base64(&args.content_base64)?;
         let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
         if bytes.len() as u64 > max_bytes {
-            return Err(AppError::PayloadTooLarge(format!(
+            return Err(Error::TooLarge(format!(
                 "{} is larger than the upload limit of {} MiB",
                 args.name, broker.config.max_upload_mb
             )));
         }
         let user = caller.user.as_deref();
-        let session = {
-            let mut remembered = self.session.lock().await;
-            let wanted = match session_arg(args.session_id.as_deref())? {
-                Some(id) => Some(id),
-                None => remembered.clone(),
-            };
-            let found = wanted
-                .as_deref()
-                .and_then(|id| broker.registry.get(id))
-                .filter(|s| s.visible_to(user));
-            let session = match found {
-                Some(s) => s,
-                None => broker.new_session(user, None, false).await?,
-            };
-            *remembered = Some(session.id().to_string());
-            session
-        };
+        let explicit = session_arg(args.session_id.as_deref())?;
+        let broker = &broker;
+        let session = self
+            .remembering(explicit, |wanted| async move {
+                let found = wanted
+                    .as_deref()
+                    .and_then(|id| broker.registry.get(id))
+                    .filter(|s| s.visible_to(user));
+                match found {
+                    Some(s) => Ok(s),
+                    None => broker.new_session(user, None, false).await,
+                }
+            })
+            .await?;
         let staging = broker.staging_dir();
         tokio::fs::create_dir_all(&staging)
             .await
-            .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
+            .map_err(|e| Error::internal(format!("cannot create staging dir: {e}")))?;
         let temp = staging.join(new_id());
         let staged = StagedFile {
             name,
@@ -683,7 +581,7 @@ impl CodeTools {
                     .store_uploads(&session, vec![staged], UploadOptions::default())
                     .await
             }
-            Err(e) => Err(AppError::internal(format!("cannot stage upload: {e}"))),
+            Err(e) => Err(Error::internal(format!("cannot stage upload: {e}"))),
         };
         // Gone after a successful store (moved into the session); removed otherwise.
         let _ = tokio::fs::remove_file(&temp).await;
@@ -716,16 +614,16 @@ impl CodeTools {
         &self,
         arg: Option<&str>,
         caller: &Caller,
-    ) -> Result<Arc<Session>, AppError> {
+    ) -> Result<Arc<Session>, Error> {
         let Some(id) = self.remembered_or(arg).await? else {
-            return Err(AppError::BadRequest(
+            return Err(Error::BadRequest(
                 "no session yet: pass the session_id of an earlier result".into(),
             ));
         };
-        visible_session(&self.state, caller, &id)
+        self.broker().visible_session(caller.user.as_deref(), &id)
     }
 
-    async fn list(&self, args: ListFilesArgs, caller: &Caller) -> Result<CallToolResult, AppError> {
+    async fn list(&self, args: ListFilesArgs, caller: &Caller) -> Result<CallToolResult, Error> {
         let session = self
             .session_for_read(args.session_id.as_deref(), caller)
             .await?;
@@ -771,7 +669,7 @@ impl CodeTools {
         Ok(result)
     }
 
-    async fn read(&self, args: ReadFileArgs, caller: &Caller) -> Result<CallToolResult, AppError> {
+    async fn read(&self, args: ReadFileArgs, caller: &Caller) -> Result<CallToolResult, Error> {
         let session = self
             .session_for_read(args.session_id.as_deref(), caller)
             .await?;
@@ -784,7 +682,7 @@ impl CodeTools {
             .filter(|r| !self.broker().is_expired(r))
             .cloned()
             .ok_or_else(|| {
-                AppError::NotFound(format!(
+                Error::NotFound(format!(
                     "no file named {name:?} in session {}",
                     session.id()
                 ))
@@ -819,7 +717,7 @@ impl CodeTools {
 
 /// Base64 as models write it: standard or URL-safe alphabet, padded or not, line breaks
 /// allowed, a `data:...;base64,` prefix tolerated.
-fn decode_base64(text: &str) -> Result<Vec<u8>, AppError> {
+fn decode_base64(text: &str) -> Result<Vec<u8>, Error> {
     use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
     let text = match text.split_once(";base64,") {
         Some((prefix, rest)) if prefix.starts_with("data:") => rest,
@@ -829,7 +727,7 @@ fn decode_base64(text: &str) -> Result<Vec<u8>, AppError> {
     [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
         .iter()
         .find_map(|engine| engine.decode(&compact).ok())
-        .ok_or_else(|| AppError::BadRequest("content_base64 is not valid base64".into()))
+        .ok_or_else(|| Error::BadRequest("content_base64 is not valid base64".into()))
 }
 
 #[cfg(test)]
@@ -851,22 +749,6 @@ mod tests {
         // The default list is split like a comma-separated setting.
         let config = <crate::config::Config as clap::Parser>::parse_from(["codebroker"]);
         assert_eq!(config.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
-    }
-
-    #[test]
-    fn download_urls_are_absolute() {
-        assert_eq!(
-            download_url("http://127.0.0.1:8000/", "S", "F"),
-            "http://127.0.0.1:8000/download/S/F"
-        );
-    }
-
-    #[test]
-    fn images_by_extension() {
-        assert_eq!(inline_image_mime("charts/a.PNG"), Some("image/png"));
-        assert_eq!(inline_image_mime("x.jpeg"), Some("image/jpeg"));
-        assert_eq!(inline_image_mime("x.svg"), None);
-        assert_eq!(inline_image_mime("data.csv"), None);
     }
 
     #[test]

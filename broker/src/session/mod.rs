@@ -9,8 +9,9 @@ pub mod registry;
 pub use pool::Pool;
 pub use registry::Registry;
 
+use crate::clock::now_ms;
 use crate::sandbox::Sandbox;
-use crate::workspace::{now_ms, FileIndex, Workspace};
+use crate::workspace::{FileIndex, Workspace};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
