@@ -10,51 +10,51 @@ use prometheus_client::registry::Registry;
 use sandbox_runner::Limit;
 
 /// The content type of the text exposition (OpenMetrics, which Prometheus reads).
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Labels of one exec: its language and how it ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ExecLabels {
+pub(crate) struct ExecLabels {
     /// The language's short name (`py`, `js`, ...), to compare languages.
-    pub lang: String,
+    pub(crate) lang: String,
     /// `ok` (exit code 0), `error` (anything else but a limit) or `limit`.
-    pub outcome: String,
+    pub(crate) outcome: String,
 }
 
 /// Labels of a limit hit.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LimitLabels {
+pub(crate) struct LimitLabels {
     /// `time`, `memory`, `stdout`, `stderr` or `disk`.
-    pub kind: String,
+    pub(crate) kind: String,
 }
 
 /// Labels of a removed session sandbox.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
+pub(crate) struct ReasonLabels {
     /// `idle`, `single_use` or `over_cap` (see `session::evict`).
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// Labels of a compile-cache lookup.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CacheLabels {
+pub(crate) struct CacheLabels {
     /// `hit` or `miss`.
-    pub outcome: String,
+    pub(crate) outcome: String,
 }
 
 /// Labels of a failed Docker API call.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DockerOpLabels {
     /// The broker's operation (`create`, `attach`, `start`, `remove`, `list`, `read_image`).
-    pub op: String,
+    pub(crate) op: String,
 }
 
 /// Failed Docker API calls by operation; `DockerBackend` holds a clone (it shares its
 /// counts) so the engine layer needs no reference to the registry.
-pub type DockerErrors = Family<DockerOpLabels, Counter>;
+pub(crate) type DockerErrors = Family<DockerOpLabels, Counter>;
 
 /// Counts one failed Docker API call.
-pub fn docker_error(errors: &DockerErrors, op: &str) {
+pub(crate) fn docker_error(errors: &DockerErrors, op: &str) {
     errors
         .get_or_create(&DockerOpLabels { op: op.to_string() })
         .inc();
@@ -66,7 +66,7 @@ fn exec_histogram() -> Histogram {
 }
 
 /// Every metric of the broker.
-pub struct Metrics {
+pub(crate) struct Metrics {
     /// What `/metrics` encodes.
     registry: Registry,
     /// Sessions known (with or without a sandbox): the size of the registry.
@@ -96,7 +96,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// A registry with every metric, sharing `docker_errors` with the Docker backend.
-    pub fn new(docker_errors: DockerErrors) -> Metrics {
+    pub(crate) fn new(docker_errors: DockerErrors) -> Metrics {
         let mut registry = Registry::with_prefix("codebroker");
         let sessions = Gauge::default();
         let containers = Gauge::default();
@@ -176,7 +176,7 @@ impl Metrics {
     }
 
     /// The text exposition, after setting the gauges to the values given.
-    pub fn render(&self, sessions: usize, containers: usize, pool_ready: usize) -> String {
+    pub(crate) fn render(&self, sessions: usize, containers: usize, pool_ready: usize) -> String {
         self.sessions.set(sessions as i64);
         self.containers.set(containers as i64);
         self.pool_ready.set(pool_ready as i64);
@@ -188,7 +188,7 @@ impl Metrics {
     }
 
     /// Counts one finished exec.
-    pub fn exec(&self, lang: &str, outcome: &str, seconds: f64, limits: &[Limit]) {
+    pub(crate) fn exec(&self, lang: &str, outcome: &str, seconds: f64, limits: &[Limit]) {
         let labels = ExecLabels {
             lang: lang.to_string(),
             outcome: outcome.to_string(),
@@ -205,17 +205,17 @@ impl Metrics {
     }
 
     /// Counts uploaded bytes.
-    pub fn uploaded(&self, bytes: u64) {
+    pub(crate) fn uploaded(&self, bytes: u64) {
         self.upload_bytes.inc_by(bytes);
     }
 
     /// Counts downloaded bytes.
-    pub fn downloaded(&self, bytes: u64) {
+    pub(crate) fn downloaded(&self, bytes: u64) {
         self.download_bytes.inc_by(bytes);
     }
 
     /// Counts one session sandbox removed by the eviction rules.
-    pub fn sandbox_removed(&self, reason: &str) {
+    pub(crate) fn sandbox_removed(&self, reason: &str) {
         self.sandboxes_removed
             .get_or_create(&ReasonLabels {
                 reason: reason.to_string(),
@@ -224,7 +224,7 @@ impl Metrics {
     }
 
     /// Counts one compiled-language exec by whether its compile was cached.
-    pub fn compile_cache(&self, hit: bool) {
+    pub(crate) fn compile_cache(&self, hit: bool) {
         let outcome = if hit { "hit" } else { "miss" };
         self.compile_cache
             .get_or_create(&CacheLabels {
@@ -234,13 +234,13 @@ impl Metrics {
     }
 
     /// Counts one 429.
-    pub fn rate_limited(&self) {
+    pub(crate) fn rate_limited(&self) {
         self.rate_limited.inc();
     }
 }
 
 /// The label value of a limit.
-pub fn limit_kind(limit: Limit) -> &'static str {
+pub(crate) fn limit_kind(limit: Limit) -> &'static str {
     match limit {
         Limit::Time => "time",
         Limit::Memory => "memory",

@@ -63,7 +63,7 @@ impl Error {
 pub(crate) const INTERNAL_MESSAGE: &str = "internal error; see the broker's log";
 
 /// A result of the core.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<tokio::task::JoinError> for Error {
     /// A spawned task of the core that panicked or was cancelled.

@@ -25,70 +25,70 @@ const EXEC_GRACE: Duration = Duration::from_secs(15);
 
 /// A reference to an input file, in either contract generation.
 #[derive(Debug, Clone)]
-pub struct InputFile {
+pub(crate) struct InputFile {
     /// The file id.
-    pub id: String,
+    pub(crate) id: String,
     /// The session (classic `session_id`, new `storage_session_id`) that holds it.
-    pub session_id: String,
+    pub(crate) session_id: String,
     /// Where it goes under `/mnt/data` (may hold a relative path).
-    pub name: String,
+    pub(crate) name: String,
 }
 
 /// One exec as the front ends ask for it.
 #[derive(Debug, Clone)]
-pub struct ExecInput {
-    pub lang: Language,
-    pub code: String,
-    pub args: Vec<String>,
+pub(crate) struct ExecInput {
+    pub(crate) lang: Language,
+    pub(crate) code: String,
+    pub(crate) args: Vec<String>,
     /// Requested wall-time limit in ms; capped by the configuration.
-    pub timeout_ms: Option<u64>,
+    pub(crate) timeout_ms: Option<u64>,
     /// Files to place in `/mnt/data` first.
-    pub files: Vec<InputFile>,
+    pub(crate) files: Vec<InputFile>,
 }
 
 /// What a front end attaches to an exec besides its input.
 #[derive(Default)]
-pub struct ExecHooks {
+pub(crate) struct ExecHooks {
     /// Output chunks and displays as they happen (streaming); `None` collects output
     /// into the result instead. Bounded: a consumer that stops reading holds the exec
     /// back (down to the code's writes) rather than letting events pile up here.
-    pub events: Option<mpsc::Sender<WorkerMessage>>,
+    pub(crate) events: Option<mpsc::Sender<WorkerMessage>>,
     /// Tools the code may call, and the way to their caller.
-    pub tools: Option<ToolBridge>,
+    pub(crate) tools: Option<ToolBridge>,
     /// Stops the exec when cancelled (a client gone, the cancel route).
-    pub cancel: Option<CancellationToken>,
+    pub(crate) cancel: Option<CancellationToken>,
 }
 
 /// The broker's side of programmatic tool calling for one exec.
-pub struct ToolBridge {
+pub(crate) struct ToolBridge {
     /// The tools the code is given.
-    pub specs: Vec<ToolSpec>,
+    pub(crate) specs: Vec<ToolSpec>,
     /// Where the code's calls go.
-    pub calls: mpsc::UnboundedSender<ToolCall>,
+    pub(crate) calls: mpsc::UnboundedSender<ToolCall>,
     /// Where their results come from.
-    pub results: mpsc::UnboundedReceiver<ToolResult>,
+    pub(crate) results: mpsc::UnboundedReceiver<ToolResult>,
 }
 
 /// What one exec produced.
 #[derive(Debug, Clone)]
-pub struct ExecOutput {
-    pub session_id: String,
-    pub stdout: String,
-    pub stderr: String,
+pub(crate) struct ExecOutput {
+    pub(crate) session_id: String,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
     /// Files created or changed by this exec.
-    pub files: Vec<FileRecord>,
-    pub runtime_status: RuntimeStatus,
-    pub exit_code: Option<i32>,
-    pub duration_ms: u64,
-    pub limits: Vec<Limit>,
+    pub(crate) files: Vec<FileRecord>,
+    pub(crate) runtime_status: RuntimeStatus,
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) duration_ms: u64,
+    pub(crate) limits: Vec<Limit>,
     /// For compiled languages, whether the sandbox's compile cache had the program.
-    pub compile_cached: Option<bool>,
+    pub(crate) compile_cached: Option<bool>,
 }
 
 /// How an exec ended, read off its output. Every front end words its answer from this
 /// one rule (a limit hit counts whatever the exit code).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Exit code 0 and no limit hit.
     Ok,
     /// Exited with this non-zero code.
@@ -101,12 +101,12 @@ pub enum Verdict {
 
 impl Verdict {
     /// Whether the exec succeeded.
-    pub fn is_ok(&self) -> bool {
+    pub(crate) fn is_ok(&self) -> bool {
         *self == Verdict::Ok
     }
 
     /// The `outcome` label of the metrics and the audit log.
-    pub fn outcome(&self) -> &'static str {
+    pub(crate) fn outcome(&self) -> &'static str {
         match self {
             Verdict::Ok => "ok",
             Verdict::Failed(_) | Verdict::Stopped => "error",
@@ -117,7 +117,7 @@ impl Verdict {
 
 impl ExecOutput {
     /// How the exec ended.
-    pub fn verdict(&self) -> Verdict {
+    pub(crate) fn verdict(&self) -> Verdict {
         if !self.limits.is_empty() {
             return Verdict::Limit(self.limits.clone());
         }
@@ -132,9 +132,9 @@ impl ExecOutput {
 /// An exec started by [`Broker::start_exec`], running in a task of its own so that the
 /// session's turn is released properly even if its front end goes away. Awaiting it gives
 /// the exec's output.
-pub struct ExecRun {
+pub(crate) struct ExecRun {
     /// The session the exec runs in.
-    pub session: Arc<Session>,
+    pub(crate) session: Arc<Session>,
     /// The exec's task.
     task: JoinHandle<Result<ExecOutput>>,
     /// The exec's cancel signal, fired when the run is dropped unfinished (see
@@ -145,7 +145,7 @@ pub struct ExecRun {
 impl ExecRun {
     /// Stops the exec when this run is dropped before it finished (a client that went
     /// away), through the cancel signal of its hooks; without one it runs on.
-    pub fn cancel_on_drop(mut self, cancel: Option<&CancellationToken>) -> ExecRun {
+    pub(crate) fn cancel_on_drop(mut self, cancel: Option<&CancellationToken>) -> ExecRun {
         self.cancel_on_drop = cancel.cloned();
         self
     }
@@ -176,7 +176,7 @@ impl Drop for ExecRun {
 impl Broker {
     /// The one way a front end runs code: the caller's exec rate, the session choice
     /// (with its input refs authorised), then the exec in a task of its own.
-    pub async fn start_exec(
+    pub(crate) async fn start_exec(
         self: &Arc<Self>,
         choice: &SessionChoice,
         input: ExecInput,
@@ -188,7 +188,7 @@ impl Broker {
 
     /// The first half of [`Broker::start_exec`], for a front end that holds on to the
     /// session before it starts the exec: the rate check, then the session choice.
-    pub async fn admit_exec(
+    pub(crate) async fn admit_exec(
         &self,
         choice: &SessionChoice,
         files: &[InputFile],
@@ -199,7 +199,7 @@ impl Broker {
 
     /// The second half of [`Broker::start_exec`]: the exec in `session` (admitted by
     /// [`Broker::admit_exec`]) in a task of its own.
-    pub fn spawn_exec(
+    pub(crate) fn spawn_exec(
         self: &Arc<Self>,
         session: Arc<Session>,
         input: ExecInput,
@@ -239,16 +239,7 @@ impl Broker {
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
-        let cap = if hooks.tools.is_some() {
-            self.config.max_programmatic_timeout_ms
-        } else {
-            self.config.max_exec_timeout_ms
-        };
-        let timeout_ms = input
-            .timeout_ms
-            .filter(|t| *t > 0)
-            .unwrap_or(self.config.exec_timeout_ms)
-            .min(cap);
+        let timeout_ms = self.exec_timeout_ms(input.timeout_ms, hooks.tools.is_some());
         let ExecHooks {
             events,
             tools,
@@ -357,38 +348,7 @@ impl Broker {
                 limits: done.limits,
                 compile_cached: done.compile_cached,
             },
-            Ok(Err(err)) => {
-                // Under gVisor a full memory cgroup ends the whole sandbox, runner included;
-                // the engine says whether that is how it ended.
-                let exec_start = std::time::SystemTime::now()
-                    .checked_sub(started.elapsed())
-                    .unwrap_or(std::time::UNIX_EPOCH);
-                // Only a sandbox that went away can have been ended for memory: a refusal
-                // or an odd answer comes from a runner still alive, not worth a wait.
-                let oom = matches!(err, ChannelError::Closed(_))
-                    && self
-                        .docker
-                        .ended_out_of_memory(&sandbox.container_id, exec_start)
-                        .await;
-                tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");
-                self.discard_sandbox(&session, &sandbox).await;
-                if oom {
-                    failed_output(
-                        &session,
-                        &format!(
-                            "Error: {}; the sandbox was ended and the next call starts a new one.",
-                            Limit::Memory
-                        ),
-                        vec![Limit::Memory],
-                    )
-                } else {
-                    failed_output(
-                        &session,
-                        "The sandbox stopped unexpectedly; the next call starts a new one.",
-                        vec![],
-                    )
-                }
-            }
+            Ok(Err(err)) => self.sandbox_failed(&session, &sandbox, err, started).await,
             Err(_) => {
                 tracing::warn!(
                     session = session.id(),
@@ -399,12 +359,85 @@ impl Broker {
             }
         };
 
+        self.collect_files(&session, &mut output, notes).await?;
+        output.duration_ms = started.elapsed().as_millis() as u64;
+        session.exec_done();
+        if let Some(cached) = output.compile_cached {
+            self.metrics.compile_cache(cached);
+        }
+        observed.finish(&output);
+        Ok(output)
+    }
+
+    /// The exec's wall-time limit: the one asked for (else the default), capped by the
+    /// setting for its kind of exec.
+    fn exec_timeout_ms(&self, asked: Option<u64>, with_tools: bool) -> u64 {
+        let cap = if with_tools {
+            self.config.max_programmatic_timeout_ms
+        } else {
+            self.config.max_exec_timeout_ms
+        };
+        asked
+            .filter(|t| *t > 0)
+            .unwrap_or(self.config.exec_timeout_ms)
+            .min(cap)
+    }
+
+    /// The output of an exec whose sandbox failed under it (the runner's channel broke):
+    /// the sandbox is discarded, and the answer says whether memory ended it.
+    async fn sandbox_failed(
+        &self,
+        session: &Arc<Session>,
+        sandbox: &Arc<Sandbox>,
+        err: ChannelError,
+        started: Instant,
+    ) -> ExecOutput {
+        // Under gVisor a full memory cgroup ends the whole sandbox, runner included;
+        // the engine says whether that is how it ended.
+        let exec_start = std::time::SystemTime::now()
+            .checked_sub(started.elapsed())
+            .unwrap_or(std::time::UNIX_EPOCH);
+        // Only a sandbox that went away can have been ended for memory: a refusal
+        // or an odd answer comes from a runner still alive, not worth a wait.
+        let oom = matches!(err, ChannelError::Closed(_))
+            && self
+                .docker
+                .ended_out_of_memory(&sandbox.container_id, exec_start)
+                .await;
+        tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");
+        self.discard_sandbox(session, sandbox).await;
+        if oom {
+            failed_output(
+                session,
+                &format!(
+                    "Error: {}; the sandbox was ended and the next call starts a new one.",
+                    Limit::Memory
+                ),
+                vec![Limit::Memory],
+            )
+        } else {
+            failed_output(
+                session,
+                "The sandbox stopped unexpectedly; the next call starts a new one.",
+                vec![],
+            )
+        }
+    }
+
+    /// Adds the files the exec created or changed to its output, and the notes of input
+    /// placement and harvest to its stderr.
+    async fn collect_files(
+        &self,
+        session: &Arc<Session>,
+        output: &mut ExecOutput,
+        mut notes: Vec<String>,
+    ) -> Result<()> {
         let limits = HarvestLimits {
             max_files: self.config.max_output_files,
             max_file_bytes: self.config.max_output_file_mb.saturating_mul(1024 * 1024),
-            storage: self.storage_budget(&session),
+            storage: self.storage_budget(session),
         };
-        let (files, harvest_notes) = self.harvest(&session, limits).await?;
+        let (files, harvest_notes) = self.harvest(session, limits).await?;
         notes.extend(harvest_notes);
         output.files = files;
         for note in notes {
@@ -414,13 +447,7 @@ impl Broker {
             output.stderr.push_str(&note);
             output.stderr.push('\n');
         }
-        output.duration_ms = started.elapsed().as_millis() as u64;
-        session.exec_done();
-        if let Some(cached) = output.compile_cached {
-            self.metrics.compile_cache(cached);
-        }
-        observed.finish(&output);
-        Ok(output)
+        Ok(())
     }
 
     /// Finds the files the exec created or changed and saves the index.

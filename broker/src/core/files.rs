@@ -16,36 +16,36 @@ use std::sync::Arc;
 /// A file received from a client, hashed and parked in the staging area until its
 /// session is known (multipart fields may come after the files).
 #[derive(Debug)]
-pub struct StagedFile {
+pub(crate) struct StagedFile {
     /// Where it goes under `/mnt/data`, checked to stay beneath it.
-    pub name: PathBuf,
+    pub(crate) name: PathBuf,
     /// The staged bytes.
-    pub temp: PathBuf,
+    pub(crate) temp: PathBuf,
     /// SHA-256 of the bytes, hex.
-    pub sha256: String,
+    pub(crate) sha256: String,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
 }
 
 /// How uploaded files are to be kept.
 #[derive(Debug, Clone, Default)]
-pub struct UploadOptions {
+pub(crate) struct UploadOptions {
     /// Never report them as generated, and keep the code from changing them (when the
     /// broker's uid is not the sandbox's; see `workspace`).
-    pub read_only: bool,
+    pub(crate) read_only: bool,
     /// The new contract's `kind` (`user`, `agent`, `skill`).
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
 }
 
 impl Broker {
     /// The staging directory for uploads in flight; on the data volume, so a staged file
     /// moves into its session with a rename.
-    pub fn staging_dir(&self) -> PathBuf {
+    pub(crate) fn staging_dir(&self) -> PathBuf {
         self.config.data_dir.join("staging")
     }
 
     /// A client-chosen file name as a path beneath `/mnt/data`, or a clear 400.
-    pub fn check_upload_name(name: &str) -> Result<PathBuf> {
+    pub(crate) fn check_upload_name(name: &str) -> Result<PathBuf> {
         safe_relative_path(name).ok_or_else(|| {
             Error::BadRequest(format!(
                 "invalid file name {name:?}: it must be a relative path without '..' \
@@ -58,7 +58,7 @@ impl Broker {
     /// budget leaves it after the user's other sessions, whichever is smaller. Sessions of
     /// callers that name no user have only their own: such callers hold the full-scope key,
     /// and one shared budget would let one of their end users lock out all the others.
-    pub fn storage_budget(&self, session: &Session) -> StorageBudget {
+    pub(crate) fn storage_budget(&self, session: &Session) -> StorageBudget {
         let mut budget = StorageBudget::UNLIMITED;
         if self.config.session_storage > 0 {
             budget = StorageBudget {
@@ -92,7 +92,7 @@ impl Broker {
     /// in `/mnt/data`. Returns one record per file, in order. A file that does not fit the
     /// storage budget, even after versions that are no longer current were dropped, is a
     /// 413 (the files before it are kept).
-    pub async fn store_uploads(
+    pub(crate) async fn store_uploads(
         &self,
         session: &Arc<Session>,
         files: Vec<StagedFile>,
@@ -324,7 +324,7 @@ impl Broker {
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the
     /// sandbox's copy when it is still that version.
-    pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> Result<()> {
+    pub(crate) async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> Result<()> {
         let _turn = session.acquire().await;
         let (dropped, index) = {
             let mut index = session.index();
@@ -348,14 +348,14 @@ impl Broker {
     }
 
     /// Whether a file version is past the file TTL.
-    pub fn is_expired(&self, record: &FileRecord) -> bool {
+    pub(crate) fn is_expired(&self, record: &FileRecord) -> bool {
         let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
         now_ms().saturating_sub(record.created_ms) >= ttl_ms
     }
 
     /// Frees expired files of every session, and removes sessions that have nothing left
     /// and have been idle past the file TTL (their workspaces too).
-    pub async fn expire_files(&self) {
+    pub(crate) async fn expire_files(&self) {
         let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
         for session in self.registry.all() {
             let expired: Vec<String> = session

@@ -55,20 +55,20 @@ struct Starting {
 
 /// A session that holds a running container, as the caps see it.
 #[derive(Debug, Clone)]
-pub struct LiveSession {
+pub(crate) struct LiveSession {
     /// Its owner.
-    pub user: UserKey,
+    pub(crate) user: UserKey,
     /// Milliseconds since the epoch of its last use (an exec touches it as it starts).
-    pub last_used_ms: u64,
+    pub(crate) last_used_ms: u64,
     /// Whether code runs in it (or waits to): only those hold a place a new session
     /// cannot take, since idle ones are removed to make room.
-    pub busy: bool,
+    pub(crate) busy: bool,
 }
 
 /// The right to start (or hand out) one session container. Hold it until the container
 /// is set on its session; dropping it frees the place it reserved.
 #[must_use = "the reservation ends when the slot is dropped"]
-pub struct ContainerSlot<'a> {
+pub(crate) struct ContainerSlot<'a> {
     /// Where the reservation is counted.
     limits: &'a Limits,
     /// The user it is counted for; `None` when no cap is on and nothing was counted.
@@ -94,7 +94,7 @@ impl Drop for ContainerSlot<'_> {
 impl Limits {
     /// The limits the configuration asks for, on a Docker host with `host_memory` bytes
     /// of RAM (`None`: unknown).
-    pub fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
+    pub(crate) fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
         let exec_rate = (config.rate_execs_per_minute > 0).then(|| {
             let burst = if config.rate_burst > 0 {
                 config.rate_burst
@@ -129,7 +129,7 @@ impl Limits {
     }
 
     /// Takes one exec from `user`'s budget, or says when the next one is allowed.
-    pub fn check_exec(&self, user: Option<&str>) -> Result<()> {
+    pub(crate) fn check_exec(&self, user: Option<&str>) -> Result<()> {
         let Some(rate) = &self.exec_rate else {
             return Ok(());
         };
@@ -145,7 +145,7 @@ impl Limits {
     }
 
     /// Reserves a place for one more container of `user`'s, when the caps allow it.
-    pub fn container_slot(
+    pub(crate) fn container_slot(
         &self,
         registry: &Registry,
         user: Option<&str>,

@@ -3,18 +3,18 @@
 //! (`sandboxes.rs`), the files of a session (`files.rs`), and the limits on all of them.
 //! The core speaks no HTTP: it fails with [`Error`], which each front end renders.
 
-pub mod diskspace;
-pub mod error;
-pub mod exec;
-pub mod files;
-pub mod limits;
+pub(crate) mod diskspace;
+pub(crate) mod error;
+pub(crate) mod exec;
+pub(crate) mod files;
+pub(crate) mod limits;
 pub(crate) mod observe;
 mod sandboxes;
-pub mod sessions;
+pub(crate) mod sessions;
 
-pub use error::{Error, Result};
-pub use exec::{ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict};
-pub use sessions::SessionChoice;
+pub(crate) use error::{Error, Result};
+pub(crate) use exec::{ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict};
+pub(crate) use sessions::SessionChoice;
 
 use crate::config::Config;
 use crate::core::limits::Limits;
@@ -25,25 +25,25 @@ use std::sync::Arc;
 /// The broker: configuration, the engine, the sessions and the pool.
 pub struct Broker {
     /// Every setting.
-    pub config: Arc<Config>,
+    pub(crate) config: Arc<Config>,
     /// The container engine.
-    pub docker: Arc<DockerBackend>,
+    pub(crate) docker: Arc<DockerBackend>,
     /// All sessions.
-    pub registry: Registry,
+    pub(crate) registry: Registry,
     /// Started sandboxes waiting for new sessions.
-    pub pool: Arc<Pool>,
+    pub(crate) pool: Arc<Pool>,
     /// The per-user exec rate and the container caps (429s).
     pub limits: Limits,
     /// `/opt/codebroker/libraries.json` of the image, read once.
     libraries: tokio::sync::OnceCell<serde_json::Value>,
     /// Prometheus counters and gauges (`/metrics`), bumped here and by the handlers.
-    pub metrics: crate::metrics::Metrics,
+    pub(crate) metrics: crate::metrics::Metrics,
     /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
-    pub audit: crate::audit::Audit,
+    pub(crate) audit: crate::audit::Audit,
 }
 
 impl Broker {
-    pub fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
+    pub(crate) fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(
@@ -61,7 +61,7 @@ impl Broker {
     }
 
     /// The image's package list, read once.
-    pub async fn libraries(&self) -> Result<serde_json::Value> {
+    pub(crate) async fn libraries(&self) -> Result<serde_json::Value> {
         self.libraries
             .get_or_try_init(|| async {
                 let bytes = self

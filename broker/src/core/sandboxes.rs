@@ -109,7 +109,7 @@ impl Broker {
 
     /// At start-up: re-attach to this instance's running session containers, remove the
     /// rest (stopped ones, pool leftovers, sessions that no longer exist).
-    pub async fn reconcile(&self) -> anyhow::Result<()> {
+    pub(crate) async fn reconcile(&self) -> anyhow::Result<()> {
         let loaded = self.registry.load_all()?;
         // Pooled containers handed to an existing session carry the pooled id as label.
         let handed: HashMap<String, Arc<Session>> = self
@@ -198,7 +198,7 @@ impl Broker {
     }
 
     /// How many session sandboxes are alive now (the pool not counted).
-    pub fn live_sandboxes(&self) -> usize {
+    pub(crate) fn live_sandboxes(&self) -> usize {
         self.live_sessions().0.len()
     }
 
@@ -257,7 +257,7 @@ impl Broker {
     }
 
     /// Removes containers past a TTL or over the cap (their files stay), and dead ones.
-    pub async fn reap_idle(&self) {
+    pub(crate) async fn reap_idle(&self) {
         for session in self.registry.all() {
             let Some(sandbox) = session.sandbox() else {
                 continue;
@@ -291,7 +291,7 @@ impl Broker {
 
     /// On shutdown: drain the pool; leave session containers for the next start to
     /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         self.pool.drain(&self.docker).await;
         let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;

@@ -10,22 +10,22 @@ use std::sync::Arc;
 
 /// How the caller wants a session chosen (API.md, POST /exec).
 #[derive(Debug, Clone, Default)]
-pub struct SessionChoice {
+pub(crate) struct SessionChoice {
     /// The end user the caller names.
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// An explicit session id.
-    pub session_id: Option<String>,
+    pub(crate) session_id: Option<String>,
     /// A runtime session the client saw earlier.
-    pub runtime_session_hint: Option<String>,
+    pub(crate) runtime_session_hint: Option<String>,
     /// A LibreChat agent or assistant id.
-    pub entity_id: Option<String>,
+    pub(crate) entity_id: Option<String>,
 }
 
 impl Broker {
     /// Finds the session an exec should run in, or makes a new one. Its input refs are
     /// authorised here, against the caller: a ref into a session the caller may not see is
     /// a 403 whichever session the exec runs in.
-    pub async fn choose_session(
+    pub(crate) async fn choose_session(
         &self,
         choice: &SessionChoice,
         files: &[InputFile],
@@ -117,7 +117,7 @@ impl Broker {
 
     /// A new session: a pooled sandbox when one is ready (and `for_exec`: an upload
     /// session needs none), else an empty workspace whose sandbox starts at the first exec.
-    pub async fn new_session(
+    pub(crate) async fn new_session(
         &self,
         user: Option<&str>,
         entity_id: Option<&str>,
@@ -127,7 +127,7 @@ impl Broker {
     }
 
     /// [`Broker::new_session`], also remembering the client's `runtime_session_hint`.
-    pub async fn new_session_with(
+    pub(crate) async fn new_session_with(
         &self,
         user: Option<&str>,
         entity_id: Option<&str>,

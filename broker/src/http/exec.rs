@@ -27,7 +27,7 @@ const KEEPALIVE_AFTER: Duration = Duration::from_secs(2);
 /// How often the whitespace comes.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(3);
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/exec", post(exec))
         .route("/exec/stream", post(exec_stream))
@@ -35,29 +35,29 @@ pub fn router() -> Router<AppState> {
 
 /// The body of `POST /exec` (both contract generations). Unknown fields are ignored.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-pub struct ExecBody {
+pub(crate) struct ExecBody {
     /// Language name or alias.
-    pub lang: String,
+    pub(crate) lang: String,
     /// Source code.
-    pub code: String,
+    pub(crate) code: String,
     /// Arguments: a list, or one string split at white space.
     #[serde(default)]
-    pub args: Option<Args>,
-    pub session_id: Option<String>,
-    pub entity_id: Option<String>,
-    pub user_id: Option<String>,
-    pub runtime_session_hint: Option<String>,
+    pub(crate) args: Option<Args>,
+    pub(crate) session_id: Option<String>,
+    pub(crate) entity_id: Option<String>,
+    pub(crate) user_id: Option<String>,
+    pub(crate) runtime_session_hint: Option<String>,
     /// Wall-time limit in milliseconds.
-    pub timeout: Option<f64>,
+    pub(crate) timeout: Option<f64>,
     /// Input files.
     #[serde(default)]
-    pub files: Option<Vec<FileRef>>,
+    pub(crate) files: Option<Vec<FileRef>>,
 }
 
 /// `args` as clients send it.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
-pub enum Args {
+pub(crate) enum Args {
     List(Vec<String>),
     Line(String),
 }
@@ -65,17 +65,17 @@ pub enum Args {
 /// An input file reference, classic `{id, session_id, name}` or new
 /// `{id, resource_id, storage_session_id, name, kind, version}`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-pub struct FileRef {
-    pub id: String,
-    pub session_id: Option<String>,
-    pub storage_session_id: Option<String>,
+pub(crate) struct FileRef {
+    pub(crate) id: String,
+    pub(crate) session_id: Option<String>,
+    pub(crate) storage_session_id: Option<String>,
     #[serde(default)]
-    pub name: String,
+    pub(crate) name: String,
 }
 
 impl ExecBody {
     /// Checks the body and splits it into the session choice and the exec.
-    pub fn into_parts(self, caller: &Caller) -> AppResult<(SessionChoice, ExecInput)> {
+    pub(crate) fn into_parts(self, caller: &Caller) -> AppResult<(SessionChoice, ExecInput)> {
         let lang: Language = self
             .lang
             .parse()

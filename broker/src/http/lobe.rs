@@ -30,7 +30,7 @@ const SETTINGS_HEADER: &str = "x-lobe-plugin-settings";
 const SETTINGS_KEY_FIELD: &str = "apiKey";
 
 /// The manifest (public) and the run route (its own auth: the settings key, or the usual).
-pub fn router(state: &AppState) -> Router<AppState> {
+pub(crate) fn router(state: &AppState) -> Router<AppState> {
     let run = Router::new().route("/lobe/run", post(run)).route_layer(
         axum::middleware::from_fn_with_state(state.clone(), lobe_auth),
     );
@@ -61,7 +61,7 @@ fn settings_key(headers: &HeaderMap) -> Option<String> {
 }
 
 /// The plugin manifest, built from the configuration (URLs, whether a key is required).
-pub fn manifest_json(config: &Config) -> Value {
+pub(crate) fn manifest_json(config: &Config) -> Value {
     let public_url = config.public_url.trim_end_matches('/');
     let langs: Vec<&str> = Language::ALL.iter().map(|l| l.as_str()).collect();
     let mut settings = json!({
@@ -142,7 +142,7 @@ async fn manifest(State(state): State<AppState>) -> Json<Value> {
 /// (or a file it reads) may steer; who the user is comes from the credentials only.
 /// Other fields are ignored.
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
-pub struct LobeArgs {
+pub(crate) struct LobeArgs {
     /// Language name or alias.
     lang: String,
     /// Source code.

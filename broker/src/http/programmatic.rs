@@ -64,7 +64,7 @@ fn next_window(window: Duration, calls: usize) -> Duration {
 /// Remembered used tokens, so a reused one is told apart (409) from an unknown one (404).
 const USED_TOKENS_KEPT: usize = 10_000;
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/exec/programmatic", post(programmatic))
         .route("/exec/programmatic/cancel", post(cancel))
@@ -72,7 +72,7 @@ pub fn router() -> Router<AppState> {
 
 /// The programmatic runs waiting for their clients.
 #[derive(Default)]
-pub struct Runs {
+pub(crate) struct Runs {
     /// Runs by their current continuation token.
     by_token: DashMap<String, Arc<Run>>,
     /// Runs by the user who started them and a request id their requests named, for the

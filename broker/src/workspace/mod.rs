@@ -587,10 +587,6 @@ impl Workspace {
         let files = rustix::fs::open(self.files_dir(), dir_flags(), rustix::fs::Mode::empty())?;
         protect_dir(&files, sandbox_uid)
     }
-    /// Whether the workspace exists on disk.
-    pub fn exists(&self) -> bool {
-        self.files_dir().is_dir()
-    }
 
     /// Reads `index.json`; a missing one is an empty index.
     pub fn load_index(&self) -> io::Result<FileIndex> {
