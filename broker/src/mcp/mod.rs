@@ -12,6 +12,7 @@
 //! codebroker session per call unless they pass `session_id`, which every result names.
 
 pub mod codemode;
+mod files;
 mod tools;
 
 pub(crate) use tools::CodeTools;
