@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 
 /// The sending end of the audit log; off when no path is configured.
-pub struct Audit {
+pub(crate) struct Audit {
     /// Lines for the writer thread; `None` when the log is off.
     tx: Option<mpsc::Sender<String>>,
     /// Whether exec records carry the code itself (`CODEBROKER_AUDIT_CODE`), not only its hash.
@@ -19,7 +19,7 @@ pub struct Audit {
 
 impl Audit {
     /// An audit log that records nothing.
-    pub fn off() -> Audit {
+    pub(crate) fn off() -> Audit {
         Audit {
             tx: None,
             include_code: false,
@@ -28,7 +28,7 @@ impl Audit {
 
     /// Appends to `path` (empty: off). The file is opened by the writer thread; when it
     /// cannot be, each record's failure is logged and the broker runs on.
-    pub fn open(path: &str, include_code: bool) -> Audit {
+    pub(crate) fn open(path: &str, include_code: bool) -> Audit {
         let path = path.trim();
         if path.is_empty() {
             return Audit::off();
@@ -49,17 +49,17 @@ impl Audit {
     }
 
     /// Whether records are written.
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.tx.is_some()
     }
 
     /// Whether exec records carry the code.
-    pub fn include_code(&self) -> bool {
+    pub(crate) fn include_code(&self) -> bool {
         self.include_code
     }
 
     /// Queues one record: `fields` (an object) with `time` (RFC 3339) and `event` added.
-    pub fn record(&self, event: &str, fields: Value) {
+    pub(crate) fn record(&self, event: &str, fields: Value) {
         let Some(tx) = &self.tx else {
             return;
         };
@@ -104,14 +104,14 @@ fn write_loop(path: PathBuf, rx: mpsc::Receiver<String>) {
 }
 
 /// The current time in RFC 3339 (UTC).
-pub fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     time::OffsetDateTime::now_utc()
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
 }
 
 /// The hex SHA-256 of `bytes`.
-pub fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 

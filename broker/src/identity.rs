@@ -14,7 +14,7 @@ const NEEDED: [(&str, u32); 3] = [("CAP_CHOWN", 0), ("CAP_DAC_OVERRIDE", 1), ("C
 
 /// What the identity of this process means for the sandboxes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Identity {
+pub(crate) enum Identity {
     /// Root, or its own uid with the capabilities it needs: sandboxes are kept apart.
     Separate,
     /// The sandbox's own uid: everything works, but read-only uploads are not protected.
@@ -23,7 +23,7 @@ pub enum Identity {
 
 /// Checks this process can serve sandboxes of `sandbox_uid`, then clears its ambient
 /// capabilities, so that no program it starts (an upstream MCP server) inherits them.
-pub fn check(sandbox_uid: u32) -> anyhow::Result<Identity> {
+pub(crate) fn check(sandbox_uid: u32) -> anyhow::Result<Identity> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     let identity = if euid == sandbox_uid {

@@ -3,30 +3,37 @@
 //! [`run`] serves the HTTP API on a listener it is given, so tests bind port 0; the
 //! binary in `main.rs` only parses the configuration and calls it.
 
-pub mod audit;
+// What the binary, the tests and the bench use is public; the rest is the crate's own.
 pub mod cli;
 pub mod config;
-pub mod core;
-pub mod http;
-pub mod identity;
 pub mod ids;
-pub mod mcp;
-pub mod metrics;
-pub mod sandbox;
-pub mod session;
 pub mod smoke;
-pub mod workspace;
+// Public until the sandbox backend trait settles what the rest of the crate uses of it.
+#[doc(hidden)]
+pub mod sandbox;
 
+mod audit;
+mod clock;
+mod core;
+mod http;
+mod identity;
+mod mcp;
+mod metrics;
+mod render;
+mod session;
+mod workspace;
+
+pub use crate::core::Broker;
 pub use mcp::codemode;
 
 use crate::config::Config;
-use crate::core::Broker;
 use crate::sandbox::DockerBackend;
 use anyhow::Context;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 /// Connects to Docker, prepares the data directory and re-attaches to this instance's
 /// containers: everything `run` needs, ready to serve.
@@ -63,9 +70,9 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     if !docker.image_present().await {
         tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
     }
-    let mut broker = Broker::new(config, docker);
-    broker.jwt = jwt;
-    let broker = Arc::new(broker);
+    // Checked here, so a bad key stops the start; `run` loads them again for the routes.
+    drop(jwt);
+    let broker = Arc::new(Broker::new(config, docker));
     broker
         .reconcile()
         .await
@@ -80,37 +87,39 @@ pub async fn run(
     broker: Arc<Broker>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stop_tx = Arc::new(stop_tx);
+    // The one stop signal: the pool's refiller, the reaper and open MCP streams each hold
+    // a child of it.
+    let stop = CancellationToken::new();
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
         broker.docker.clone(),
         broker.config.clone(),
-        stop_rx.clone(),
+        stop.child_token(),
     ));
-    let reaper = tokio::spawn(reap_loop(broker.clone(), stop_rx.clone()));
+    let reaper = tokio::spawn(reap_loop(broker.clone(), stop.child_token()));
 
-    let state = http::AppState::new(broker.clone());
-    let stopping = state.shutdown.clone();
+    let jwt = http::jwt::JwtKeys::from_config(&broker.config)
+        .context("cannot load the JWT public keys")?;
+    let mut state = http::AppState::new(broker.clone(), jwt);
+    state.shutdown = stop.child_token();
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let limits = http::server::ServeLimits {
         max_connections: broker.config.max_connections,
         header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
     };
-    let signalled = stop_tx.clone();
+    let signalled = stop.clone();
     let served = http::server::serve(listener, app, limits, async move {
         shutdown.await;
         tracing::info!("stopping: no new connections; waiting for the requests under way");
-        // The pool stops refilling at once: containers started now would only be removed.
-        let _ = signalled.send(true);
-        stopping.cancel();
+        // The pool stops refilling at once (containers started now would only be removed),
+        // and open MCP streams end.
+        signalled.cancel();
     });
     let grace = Duration::from_secs(broker.config.shutdown_grace);
-    let mut grace_over = stop_rx.clone();
     let served = tokio::select! {
         served = served => served.context("server failed"),
         _ = async {
-            let _ = grace_over.wait_for(|s| *s).await;
+            stop.cancelled().await;
             tokio::time::sleep(grace).await;
         } => {
             tracing::warn!(grace_secs = grace.as_secs(), "requests still under way after the grace period; stopping anyway");
@@ -118,7 +127,7 @@ pub async fn run(
         }
     };
 
-    let _ = stop_tx.send(true);
+    stop.cancel();
     let _ = refiller.await;
     let _ = reaper.await;
     broker.shutdown().await;
@@ -126,7 +135,7 @@ pub async fn run(
     served
 }
 
-async fn reap_loop(broker: Arc<Broker>, mut stop: tokio::sync::watch::Receiver<bool>) {
+async fn reap_loop(broker: Arc<Broker>, stop: CancellationToken) {
     let every = Duration::from_secs(broker.config.reap_interval_secs.max(1));
     loop {
         tokio::select! {
@@ -134,7 +143,7 @@ async fn reap_loop(broker: Arc<Broker>, mut stop: tokio::sync::watch::Receiver<b
                 broker.reap_idle().await;
                 broker.expire_files().await;
             }
-            _ = async { stop.wait_for(|s| *s).await.map(|_| ()) } => return,
+            _ = stop.cancelled() => return,
         }
     }
 }

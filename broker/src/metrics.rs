@@ -1,9 +1,6 @@
 //! Prometheus metrics, served as text at `GET /metrics`: one registry for the broker, with
 //! counters the handlers and the core bump, and gauges read from the broker at scrape time.
 
-use crate::audit::Audit;
-use crate::core::{ExecInput, ExecOutput};
-use crate::session::Session;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -11,55 +8,53 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use sandbox_runner::Limit;
-use serde_json::json;
-use std::time::Instant;
 
 /// The content type of the text exposition (OpenMetrics, which Prometheus reads).
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Labels of one exec: its language and how it ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ExecLabels {
+pub(crate) struct ExecLabels {
     /// The language's short name (`py`, `js`, ...), to compare languages.
-    pub lang: String,
+    pub(crate) lang: String,
     /// `ok` (exit code 0), `error` (anything else but a limit) or `limit`.
-    pub outcome: String,
+    pub(crate) outcome: String,
 }
 
 /// Labels of a limit hit.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LimitLabels {
+pub(crate) struct LimitLabels {
     /// `time`, `memory`, `stdout`, `stderr` or `disk`.
-    pub kind: String,
+    pub(crate) kind: String,
 }
 
 /// Labels of a removed session sandbox.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
+pub(crate) struct ReasonLabels {
     /// `idle`, `single_use` or `over_cap` (see `session::evict`).
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// Labels of a compile-cache lookup.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CacheLabels {
+pub(crate) struct CacheLabels {
     /// `hit` or `miss`.
-    pub outcome: String,
+    pub(crate) outcome: String,
 }
 
 /// Labels of a failed Docker API call.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DockerOpLabels {
     /// The broker's operation (`create`, `attach`, `start`, `remove`, `list`, `read_image`).
-    pub op: String,
+    pub(crate) op: String,
 }
 
 /// Failed Docker API calls by operation; `DockerBackend` holds a clone (it shares its
 /// counts) so the engine layer needs no reference to the registry.
-pub type DockerErrors = Family<DockerOpLabels, Counter>;
+pub(crate) type DockerErrors = Family<DockerOpLabels, Counter>;
 
 /// Counts one failed Docker API call.
-pub fn docker_error(errors: &DockerErrors, op: &str) {
+pub(crate) fn docker_error(errors: &DockerErrors, op: &str) {
     errors
         .get_or_create(&DockerOpLabels { op: op.to_string() })
         .inc();
@@ -71,7 +66,7 @@ fn exec_histogram() -> Histogram {
 }
 
 /// Every metric of the broker.
-pub struct Metrics {
+pub(crate) struct Metrics {
     /// What `/metrics` encodes.
     registry: Registry,
     /// Sessions known (with or without a sandbox): the size of the registry.
@@ -101,7 +96,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// A registry with every metric, sharing `docker_errors` with the Docker backend.
-    pub fn new(docker_errors: DockerErrors) -> Metrics {
+    pub(crate) fn new(docker_errors: DockerErrors) -> Metrics {
         let mut registry = Registry::with_prefix("codebroker");
         let sessions = Gauge::default();
         let containers = Gauge::default();
@@ -181,7 +176,7 @@ impl Metrics {
     }
 
     /// The text exposition, after setting the gauges to the values given.
-    pub fn render(&self, sessions: usize, containers: usize, pool_ready: usize) -> String {
+    pub(crate) fn render(&self, sessions: usize, containers: usize, pool_ready: usize) -> String {
         self.sessions.set(sessions as i64);
         self.containers.set(containers as i64);
         self.pool_ready.set(pool_ready as i64);
@@ -193,7 +188,7 @@ impl Metrics {
     }
 
     /// Counts one finished exec.
-    pub fn exec(&self, lang: &str, outcome: &str, seconds: f64, limits: &[Limit]) {
+    pub(crate) fn exec(&self, lang: &str, outcome: &str, seconds: f64, limits: &[Limit]) {
         let labels = ExecLabels {
             lang: lang.to_string(),
             outcome: outcome.to_string(),
@@ -210,17 +205,17 @@ impl Metrics {
     }
 
     /// Counts uploaded bytes.
-    pub fn uploaded(&self, bytes: u64) {
+    pub(crate) fn uploaded(&self, bytes: u64) {
         self.upload_bytes.inc_by(bytes);
     }
 
     /// Counts downloaded bytes.
-    pub fn downloaded(&self, bytes: u64) {
+    pub(crate) fn downloaded(&self, bytes: u64) {
         self.download_bytes.inc_by(bytes);
     }
 
     /// Counts one session sandbox removed by the eviction rules.
-    pub fn sandbox_removed(&self, reason: &str) {
+    pub(crate) fn sandbox_removed(&self, reason: &str) {
         self.sandboxes_removed
             .get_or_create(&ReasonLabels {
                 reason: reason.to_string(),
@@ -229,7 +224,7 @@ impl Metrics {
     }
 
     /// Counts one compiled-language exec by whether its compile was cached.
-    pub fn compile_cache(&self, hit: bool) {
+    pub(crate) fn compile_cache(&self, hit: bool) {
         let outcome = if hit { "hit" } else { "miss" };
         self.compile_cache
             .get_or_create(&CacheLabels {
@@ -239,129 +234,19 @@ impl Metrics {
     }
 
     /// Counts one 429.
-    pub fn rate_limited(&self) {
+    pub(crate) fn rate_limited(&self) {
         self.rate_limited.inc();
     }
 }
 
 /// The label value of a limit.
-pub fn limit_kind(limit: Limit) -> &'static str {
+pub(crate) fn limit_kind(limit: Limit) -> &'static str {
     match limit {
         Limit::Time => "time",
         Limit::Memory => "memory",
         Limit::Stdout => "stdout",
         Limit::Stderr => "stderr",
         Limit::Disk => "disk",
-    }
-}
-
-/// How an exec ended, as the `outcome` label says it.
-pub fn outcome(output: &ExecOutput) -> &'static str {
-    if !output.limits.is_empty() {
-        "limit"
-    } else if output.exit_code == Some(0) {
-        "ok"
-    } else {
-        "error"
-    }
-}
-
-/// One exec being watched: made when it starts, finished with its output. Dropped
-/// unfinished (the exec failed before it had an output, or was cancelled), it is counted
-/// as an `error` and audited without an exit code.
-pub struct ExecObservation<'a> {
-    /// Where the counts go.
-    metrics: &'a Metrics,
-    /// Where the record goes.
-    audit: &'a Audit,
-    /// When the exec started, for its latency.
-    started: Instant,
-    /// The language's short name.
-    lang: &'static str,
-    /// The audit record's fields known at the start (user, session, code hash, inputs);
-    /// `None` when the audit log is off.
-    record: Option<serde_json::Value>,
-    /// Set once finished, so the drop does not count it again.
-    done: bool,
-}
-
-impl<'a> ExecObservation<'a> {
-    /// Starts watching an exec of `input` in `session`.
-    pub fn start(
-        metrics: &'a Metrics,
-        audit: &'a Audit,
-        session: &Session,
-        input: &ExecInput,
-    ) -> ExecObservation<'a> {
-        let record = audit.enabled().then(|| {
-            let files_in: Vec<_> = input
-                .files
-                .iter()
-                .map(|f| json!({ "id": f.id, "name": f.name, "session_id": f.session_id }))
-                .collect();
-            let mut record = json!({
-                "user": session.meta.user,
-                "session": session.id(),
-                "language": input.lang.as_str(),
-                "code_sha256": crate::audit::sha256_hex(input.code.as_bytes()),
-                "files_in": files_in,
-            });
-            if audit.include_code() {
-                record["code"] = json!(input.code);
-            }
-            record
-        });
-        ExecObservation {
-            metrics,
-            audit,
-            started: Instant::now(),
-            lang: input.lang.as_str(),
-            record,
-            done: false,
-        }
-    }
-
-    /// Counts and audits the exec's output.
-    pub fn finish(mut self, output: &ExecOutput) {
-        self.done = true;
-        let seconds = self.started.elapsed().as_secs_f64();
-        let outcome = outcome(output);
-        self.metrics
-            .exec(self.lang, outcome, seconds, &output.limits);
-        if let Some(mut record) = self.record.take() {
-            record["duration_ms"] = json!(output.duration_ms.max((seconds * 1000.0) as u64));
-            record["exit_code"] = json!(output.exit_code);
-            record["outcome"] = json!(outcome);
-            record["limits"] = json!(output
-                .limits
-                .iter()
-                .map(|l| limit_kind(*l))
-                .collect::<Vec<_>>());
-            record["files_out"] = json!(output
-                .files
-                .iter()
-                .map(|f| json!({ "id": f.id, "name": f.name }))
-                .collect::<Vec<_>>());
-            self.audit.record("exec", record);
-        }
-    }
-}
-
-impl Drop for ExecObservation<'_> {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let seconds = self.started.elapsed().as_secs_f64();
-        self.metrics.exec(self.lang, "error", seconds, &[]);
-        if let Some(mut record) = self.record.take() {
-            record["duration_ms"] = json!((seconds * 1000.0) as u64);
-            record["exit_code"] = serde_json::Value::Null;
-            record["outcome"] = json!("failed");
-            record["limits"] = json!([]);
-            record["files_out"] = json!([]);
-            self.audit.record("exec", record);
-        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! are refused with 503, so that a filling disk stops growth before workspaces, blobs and
 //! the index can no longer be written. Sessions that exist keep running.
 
-use crate::http::error::{AppError, AppResult};
+use crate::core::error::{Error, Result};
 use std::path::Path;
 
 /// Bytes available to the broker (not root's reserve) on the volume holding `dir`.
@@ -12,7 +12,7 @@ pub(crate) fn free_bytes(dir: &Path) -> std::io::Result<u64> {
 }
 
 /// Refuses a new session when the data volume has less than `min_free` bytes free.
-pub(crate) fn check_room_for_new_session(data_dir: &Path, min_free: u64) -> AppResult<()> {
+pub(crate) fn check_room_for_new_session(data_dir: &Path, min_free: u64) -> Result<()> {
     if min_free == 0 {
         return Ok(());
     }
@@ -23,7 +23,7 @@ pub(crate) fn check_room_for_new_session(data_dir: &Path, min_free: u64) -> AppR
                 min_free,
                 "data volume low on space: refusing new sessions"
             );
-            Err(AppError::Unavailable(format!(
+            Err(Error::Unavailable(format!(
                 "the data volume is low on free space ({} MiB free, {} MiB required): \
                  new sessions are refused until space is freed; existing sessions still run",
                 free >> 20,
@@ -51,7 +51,7 @@ mod tests {
         assert!(check_room_for_new_session(&dir, 0).is_ok());
         assert!(check_room_for_new_session(&dir, 1).is_ok());
         let err = check_room_for_new_session(&dir, u64::MAX).expect_err("refused");
-        assert!(matches!(err, AppError::Unavailable(_)));
+        assert!(matches!(err, Error::Unavailable(_)));
         assert!(err.to_string().contains("data volume is low"), "{err}");
     }
 }

@@ -2,12 +2,13 @@
 //! Blocking disk work runs on the blocking pool; each session's index changes only while
 //! its turn is held, so an exec's harvest and an upload never overwrite each other.
 
+use crate::clock::now_ms;
+use crate::core::error::{Error, Result};
 use crate::core::{Broker, InputFile};
-use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::session::Session;
 use crate::workspace::{
-    human_bytes, now_ms, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
+    human_bytes, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,38 +16,38 @@ use std::sync::Arc;
 /// A file received from a client, hashed and parked in the staging area until its
 /// session is known (multipart fields may come after the files).
 #[derive(Debug)]
-pub struct StagedFile {
+pub(crate) struct StagedFile {
     /// Where it goes under `/mnt/data`, checked to stay beneath it.
-    pub name: PathBuf,
+    pub(crate) name: PathBuf,
     /// The staged bytes.
-    pub temp: PathBuf,
+    pub(crate) temp: PathBuf,
     /// SHA-256 of the bytes, hex.
-    pub sha256: String,
+    pub(crate) sha256: String,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
 }
 
 /// How uploaded files are to be kept.
 #[derive(Debug, Clone, Default)]
-pub struct UploadOptions {
+pub(crate) struct UploadOptions {
     /// Never report them as generated, and keep the code from changing them (when the
     /// broker's uid is not the sandbox's; see `workspace`).
-    pub read_only: bool,
+    pub(crate) read_only: bool,
     /// The new contract's `kind` (`user`, `agent`, `skill`).
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
 }
 
 impl Broker {
     /// The staging directory for uploads in flight; on the data volume, so a staged file
     /// moves into its session with a rename.
-    pub fn staging_dir(&self) -> PathBuf {
+    pub(crate) fn staging_dir(&self) -> PathBuf {
         self.config.data_dir.join("staging")
     }
 
     /// A client-chosen file name as a path beneath `/mnt/data`, or a clear 400.
-    pub fn check_upload_name(name: &str) -> AppResult<PathBuf> {
+    pub(crate) fn check_upload_name(name: &str) -> Result<PathBuf> {
         safe_relative_path(name).ok_or_else(|| {
-            AppError::BadRequest(format!(
+            Error::BadRequest(format!(
                 "invalid file name {name:?}: it must be a relative path without '..' \
                  (for example data.csv or skills/pptx/SKILL.md)"
             ))
@@ -57,7 +58,7 @@ impl Broker {
     /// budget leaves it after the user's other sessions, whichever is smaller. Sessions of
     /// callers that name no user have only their own: such callers hold the full-scope key,
     /// and one shared budget would let one of their end users lock out all the others.
-    pub fn storage_budget(&self, session: &Session) -> StorageBudget {
+    pub(crate) fn storage_budget(&self, session: &Session) -> StorageBudget {
         let mut budget = StorageBudget::UNLIMITED;
         if self.config.session_storage > 0 {
             budget = StorageBudget {
@@ -91,12 +92,12 @@ impl Broker {
     /// in `/mnt/data`. Returns one record per file, in order. A file that does not fit the
     /// storage budget, even after versions that are no longer current were dropped, is a
     /// 413 (the files before it are kept).
-    pub async fn store_uploads(
+    pub(crate) async fn store_uploads(
         &self,
         session: &Arc<Session>,
         files: Vec<StagedFile>,
         options: UploadOptions,
-    ) -> AppResult<Vec<FileRecord>> {
+    ) -> Result<Vec<FileRecord>> {
         let _turn = session.acquire().await;
         let workspace = session.workspace.clone();
         let uid = self.config.sandbox_uid;
@@ -109,13 +110,13 @@ impl Broker {
         let (index, records, unused, result) = tokio::task::spawn_blocking(move || {
             let mut records = Vec::new();
             let mut unused = Vec::new();
-            let mut store = |file: StagedFile| -> AppResult<()> {
+            let mut store = |file: StagedFile| -> Result<()> {
                 let name = file.name.to_string_lossy().into_owned();
                 let extra = index.cost_of(Some(&file.sha256), file.size);
                 let Some(dropped) =
                     index.make_room(extra, budget.room, Some(&name), Some(&file.sha256))
                 else {
-                    return Err(AppError::PayloadTooLarge(format!(
+                    return Err(Error::TooLarge(format!(
                         "{name} ({}) does not fit {}: the session keeps {} of file versions \
                          that are still current. Delete files first",
                         human_bytes(file.size),
@@ -127,7 +128,7 @@ impl Broker {
                 workspace
                     .create_blobs_dir()
                     .and_then(|()| workspace.commit_blob(&file.temp, &file.sha256))
-                    .map_err(|e| AppError::internal(format!("cannot store upload: {e}")))?;
+                    .map_err(|e| Error::internal(format!("cannot store upload: {e}")))?;
                 // The workspace is the code's: a directory, or a link leading out of it,
                 // may stand where the name goes. That is the name's problem, not ours.
                 let placed = workspace.place_blob(
@@ -141,11 +142,11 @@ impl Broker {
                     Err(e) => {
                         unused.push(file.sha256.clone());
                         return Err(match in_the_way(&e) {
-                            Some(why) => AppError::Conflict(format!(
+                            Some(why) => Error::Conflict(format!(
                                 "cannot place {:?} in /mnt/data: {why}",
                                 file.name
                             )),
-                            None => AppError::internal(format!("cannot place upload: {e}")),
+                            None => Error::internal(format!("cannot place upload: {e}")),
                         });
                     }
                 };
@@ -176,7 +177,7 @@ impl Broker {
             (index, records, unused, result)
         })
         .await
-        .map_err(|e| AppError::internal(format!("upload task failed: {e}")))?;
+        .map_err(|e| Error::internal(format!("upload task failed: {e}")))?;
         // What was stored before a failure stays, recorded.
         *session.index() = index.clone();
         save_index(&session.workspace, &index).await?;
@@ -198,7 +199,7 @@ impl Broker {
         session: &Arc<Session>,
         files: &[InputFile],
         notes: &mut Vec<String>,
-    ) -> AppResult<()> {
+    ) -> Result<()> {
         let mut placed = Vec::new();
         let budget = self.storage_budget(session);
         for file in files {
@@ -209,7 +210,7 @@ impl Broker {
                 match self.registry.get(&file.session_id) {
                     Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
                     Some(_) => {
-                        return Err(AppError::Forbidden(
+                        return Err(Error::Forbidden(
                             "an input file belongs to another user".into(),
                         ))
                     }
@@ -273,7 +274,7 @@ impl Broker {
                 to.place_blob(&blob, &target_for_copy, uid, rec.read_only)
             })
             .await
-            .map_err(|e| AppError::internal(format!("copy task failed: {e}")))?;
+            .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
             match result {
                 Ok(stamp) => placed.push(FileRecord {
                     // Restoring a version of this session at its own name keeps its id;
@@ -323,13 +324,13 @@ impl Broker {
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the
     /// sandbox's copy when it is still that version.
-    pub async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> AppResult<()> {
+    pub(crate) async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> Result<()> {
         let _turn = session.acquire().await;
         let (dropped, index) = {
             let mut index = session.index();
             let dropped = index.remove(file_id);
             if dropped.records.is_empty() {
-                return Err(AppError::NotFound(format!("file {file_id} not found")));
+                return Err(Error::NotFound(format!("file {file_id} not found")));
             }
             (dropped, index.clone())
         };
@@ -342,19 +343,19 @@ impl Broker {
             workspace.delete_unused_blobs(&index, &dropped.blobs);
         })
         .await
-        .map_err(|e| AppError::internal(format!("delete task failed: {e}")))?;
+        .map_err(|e| Error::internal(format!("delete task failed: {e}")))?;
         Ok(())
     }
 
     /// Whether a file version is past the file TTL.
-    pub fn is_expired(&self, record: &FileRecord) -> bool {
+    pub(crate) fn is_expired(&self, record: &FileRecord) -> bool {
         let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
         now_ms().saturating_sub(record.created_ms) >= ttl_ms
     }
 
     /// Frees expired files of every session, and removes sessions that have nothing left
     /// and have been idle past the file TTL (their workspaces too).
-    pub async fn expire_files(&self) {
+    pub(crate) async fn expire_files(&self) {
         let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
         for session in self.registry.all() {
             let expired: Vec<String> = session
@@ -421,11 +422,11 @@ pub(crate) async fn delete_unused_blobs(
 pub(crate) async fn save_index(
     workspace: &Workspace,
     index: &crate::workspace::FileIndex,
-) -> AppResult<()> {
+) -> Result<()> {
     let workspace = workspace.clone();
     let index = index.clone();
     tokio::task::spawn_blocking(move || workspace.save_index(&index))
         .await
-        .map_err(|e| AppError::internal(format!("index task failed: {e}")))?
-        .map_err(|e| AppError::internal(format!("cannot save the file index: {e}")))
+        .map_err(|e| Error::internal(format!("index task failed: {e}")))?
+        .map_err(|e| Error::internal(format!("cannot save the file index: {e}")))
 }

@@ -12,10 +12,10 @@
 //! not either, as all those users share the key; a front end that names its users
 //! (`User-Id`, a JWT) gets a budget per user.
 
+use crate::clock::now_ms;
 use crate::config::Config;
-use crate::http::error::{AppError, AppResult};
+use crate::core::error::{Error, Result};
 use crate::session::Registry;
-use crate::workspace::now_ms;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
@@ -55,20 +55,20 @@ struct Starting {
 
 /// A session that holds a running container, as the caps see it.
 #[derive(Debug, Clone)]
-pub struct LiveSession {
+pub(crate) struct LiveSession {
     /// Its owner.
-    pub user: UserKey,
+    pub(crate) user: UserKey,
     /// Milliseconds since the epoch of its last use (an exec touches it as it starts).
-    pub last_used_ms: u64,
+    pub(crate) last_used_ms: u64,
     /// Whether code runs in it (or waits to): only those hold a place a new session
     /// cannot take, since idle ones are removed to make room.
-    pub busy: bool,
+    pub(crate) busy: bool,
 }
 
 /// The right to start (or hand out) one session container. Hold it until the container
 /// is set on its session; dropping it frees the place it reserved.
 #[must_use = "the reservation ends when the slot is dropped"]
-pub struct ContainerSlot<'a> {
+pub(crate) struct ContainerSlot<'a> {
     /// Where the reservation is counted.
     limits: &'a Limits,
     /// The user it is counted for; `None` when no cap is on and nothing was counted.
@@ -94,7 +94,7 @@ impl Drop for ContainerSlot<'_> {
 impl Limits {
     /// The limits the configuration asks for, on a Docker host with `host_memory` bytes
     /// of RAM (`None`: unknown).
-    pub fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
+    pub(crate) fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
         let exec_rate = (config.rate_execs_per_minute > 0).then(|| {
             let burst = if config.rate_burst > 0 {
                 config.rate_burst
@@ -129,12 +129,12 @@ impl Limits {
     }
 
     /// Takes one exec from `user`'s budget, or says when the next one is allowed.
-    pub fn check_exec(&self, user: Option<&str>) -> AppResult<()> {
+    pub(crate) fn check_exec(&self, user: Option<&str>) -> Result<()> {
         let Some(rate) = &self.exec_rate else {
             return Ok(());
         };
         rate.take(user, Instant::now())
-            .map_err(|retry_after_seconds| AppError::RateLimited {
+            .map_err(|retry_after_seconds| Error::RateLimited {
                 message: format!(
                     "too many executions: at most {} per minute{}; retry in {retry_after_seconds} s",
                     rate.per_minute,
@@ -145,11 +145,11 @@ impl Limits {
     }
 
     /// Reserves a place for one more container of `user`'s, when the caps allow it.
-    pub fn container_slot(
+    pub(crate) fn container_slot(
         &self,
         registry: &Registry,
         user: Option<&str>,
-    ) -> AppResult<ContainerSlot<'_>> {
+    ) -> Result<ContainerSlot<'_>> {
         if self.max_per_user == 0 && self.max_total == 0 {
             return Ok(ContainerSlot {
                 limits: self,
@@ -183,10 +183,10 @@ impl Limits {
         live: &[LiveSession],
         user: Option<&str>,
         now_ms: u64,
-    ) -> AppResult<()> {
+    ) -> Result<()> {
         let key: UserKey = user.map(str::to_string);
         if self.max_total > 0 && live.len() + starting.total >= self.max_total {
-            return Err(AppError::RateLimited {
+            return Err(Error::RateLimited {
                 message: format!(
                     "the broker is at capacity ({} sandboxes running); retry later",
                     self.max_total
@@ -197,7 +197,7 @@ impl Limits {
         let starting_mine = starting.per_user.get(&key).copied().unwrap_or(0);
         let mine = live.iter().filter(|s| s.user == key);
         if self.max_per_user > 0 && mine.clone().count() + starting_mine >= self.max_per_user {
-            return Err(AppError::RateLimited {
+            return Err(Error::RateLimited {
                 message: format!(
                     "too many live sessions: at most {} with a running sandbox{}; reuse a \
                      session_id or retry later",
@@ -309,9 +309,9 @@ mod tests {
         Limits::from_config(&config, None)
     }
 
-    fn retry_after(err: AppError) -> u64 {
+    fn retry_after(err: Error) -> u64 {
         match err {
-            AppError::RateLimited {
+            Error::RateLimited {
                 retry_after_seconds,
                 ..
             } => retry_after_seconds,
@@ -384,9 +384,7 @@ mod tests {
         assert!(on.check_exec(Some("u")).is_ok());
         assert!(on.check_exec(Some("u")).is_ok());
         let err = on.check_exec(Some("u")).expect_err("third is over");
-        let body = err.body();
-        assert_eq!(body["error"], "rate_limited");
-        assert_eq!(body["retry_after_seconds"], 1);
+        assert_eq!(retry_after(err), 1);
         // The burst defaults to the per-minute rate.
         let default_burst = limits(|c| c.rate_execs_per_minute = 3);
         for _ in 0..3 {

@@ -23,7 +23,7 @@ use std::time::Duration;
 /// Put in the request's extensions by [`require_auth`] when a JWT authenticated it: the
 /// token's `sub`, which the [`Caller`] extractor then takes over anything the request says.
 #[derive(Debug, Clone)]
-pub struct JwtUser(pub String);
+pub(crate) struct JwtUser(pub String);
 
 /// What the headers proved.
 enum HeaderAuth {
@@ -36,7 +36,7 @@ enum HeaderAuth {
 }
 
 /// Rejects requests without a valid key or token (unless auth is off).
-pub async fn require_auth(
+pub(crate) async fn require_auth(
     State(state): State<AppState>,
     mut request: Request,
     next: Next,
@@ -192,9 +192,9 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
     let broker = &state.broker;
     let config = &broker.config;
     if let Some(token) = bearer_token(headers) {
-        if !broker.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
+        if !state.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
         {
-            return match broker.jwt.verify(token) {
+            return match state.jwt.verify(token) {
                 Ok(verified) => {
                     tracing::debug!(user = %verified.user, tenant = ?verified.tenant_id, "JWT accepted");
                     Ok(HeaderAuth::Jwt(verified.user))
@@ -247,16 +247,16 @@ pub(crate) fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) 
 /// (`User-Id` header, or `?kind=user&id=U`). Handlers add a body `user_id` where their
 /// body has one.
 #[derive(Debug, Clone, Default)]
-pub struct Caller {
+pub(crate) struct Caller {
     /// Whose sessions and files the request may see; `None`: the API key's whole scope.
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// Set when `user` comes from a verified JWT: nothing in the request may change it.
-    pub authoritative: bool,
+    pub(crate) authoritative: bool,
 }
 
 impl Caller {
     /// The caller's user, or `body_user` when the headers named none (never over a JWT's).
-    pub fn user_or(&self, body_user: Option<&str>) -> Option<String> {
+    pub(crate) fn user_or(&self, body_user: Option<&str>) -> Option<String> {
         if self.authoritative {
             return self.user.clone();
         }

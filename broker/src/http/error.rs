@@ -9,7 +9,7 @@ use serde_json::json;
 /// Everything a request can fail with. Internal errors are logged in full and shown to
 /// clients only as a generic message.
 #[derive(Debug, thiserror::Error)]
-pub enum AppError {
+pub(crate) enum AppError {
     #[error("{0}")]
     BadRequest(String),
     #[error("Unsupported language: {0}")]
@@ -40,7 +40,7 @@ pub enum AppError {
 }
 
 impl AppError {
-    pub fn internal(context: impl std::fmt::Display) -> AppError {
+    pub(crate) fn internal(context: impl std::fmt::Display) -> AppError {
         AppError::Internal(anyhow::anyhow!("{context}"))
     }
 
@@ -78,11 +78,11 @@ impl AppError {
     }
 
     /// The JSON body clients get.
-    pub fn body(&self) -> serde_json::Value {
+    pub(crate) fn body(&self) -> serde_json::Value {
         let message = match self {
             AppError::Internal(err) => {
                 tracing::error!(error = ?err, "internal error");
-                "internal error; see the broker's log".to_string()
+                crate::core::error::INTERNAL_MESSAGE.to_string()
             }
             other => other.to_string(),
         };
@@ -118,7 +118,31 @@ impl IntoResponse for AppError {
     }
 }
 
-pub type AppResult<T> = Result<T, AppError>;
+pub(crate) type AppResult<T> = Result<T, AppError>;
+
+impl From<crate::core::Error> for AppError {
+    /// The core's errors as the API answers them: each has its own status and code.
+    fn from(err: crate::core::Error) -> AppError {
+        use crate::core::Error;
+        match err {
+            Error::BadRequest(m) => AppError::BadRequest(m),
+            Error::UnsupportedLanguage(m) => AppError::UnsupportedLanguage(m),
+            Error::Forbidden(m) => AppError::Forbidden(m),
+            Error::NotFound(m) => AppError::NotFound(m),
+            Error::Conflict(m) => AppError::Conflict(m),
+            Error::TooLarge(m) => AppError::PayloadTooLarge(m),
+            Error::RateLimited {
+                message,
+                retry_after_seconds,
+            } => AppError::RateLimited {
+                message,
+                retry_after_seconds,
+            },
+            Error::Unavailable(m) => AppError::Unavailable(m),
+            Error::Internal(err) => AppError::Internal(err),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

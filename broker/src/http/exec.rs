@@ -1,10 +1,11 @@
 //! `POST /exec`: run code in a session and answer with its output and files.
 
 use super::{ApiJson, AppState};
-use crate::core::{ExecHooks, ExecInput, ExecOutput, InputFile, SessionChoice};
+use crate::core::{ExecHooks, ExecInput, ExecRun, InputFile, SessionChoice};
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::ids::is_valid_id;
+use crate::render::output_json;
 use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -12,7 +13,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use sandbox_runner::{DisplayData, Language, RuntimeStatus, Stream, WorkerMessage};
+use sandbox_runner::{DisplayData, Language, Stream, WorkerMessage};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -26,7 +27,7 @@ const KEEPALIVE_AFTER: Duration = Duration::from_secs(2);
 /// How often the whitespace comes.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(3);
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/exec", post(exec))
         .route("/exec/stream", post(exec_stream))
@@ -34,29 +35,29 @@ pub fn router() -> Router<AppState> {
 
 /// The body of `POST /exec` (both contract generations). Unknown fields are ignored.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-pub struct ExecBody {
+pub(crate) struct ExecBody {
     /// Language name or alias.
-    pub lang: String,
+    pub(crate) lang: String,
     /// Source code.
-    pub code: String,
+    pub(crate) code: String,
     /// Arguments: a list, or one string split at white space.
     #[serde(default)]
-    pub args: Option<Args>,
-    pub session_id: Option<String>,
-    pub entity_id: Option<String>,
-    pub user_id: Option<String>,
-    pub runtime_session_hint: Option<String>,
+    pub(crate) args: Option<Args>,
+    pub(crate) session_id: Option<String>,
+    pub(crate) entity_id: Option<String>,
+    pub(crate) user_id: Option<String>,
+    pub(crate) runtime_session_hint: Option<String>,
     /// Wall-time limit in milliseconds.
-    pub timeout: Option<f64>,
+    pub(crate) timeout: Option<f64>,
     /// Input files.
     #[serde(default)]
-    pub files: Option<Vec<FileRef>>,
+    pub(crate) files: Option<Vec<FileRef>>,
 }
 
 /// `args` as clients send it.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
-pub enum Args {
+pub(crate) enum Args {
     List(Vec<String>),
     Line(String),
 }
@@ -64,17 +65,17 @@ pub enum Args {
 /// An input file reference, classic `{id, session_id, name}` or new
 /// `{id, resource_id, storage_session_id, name, kind, version}`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-pub struct FileRef {
-    pub id: String,
-    pub session_id: Option<String>,
-    pub storage_session_id: Option<String>,
+pub(crate) struct FileRef {
+    pub(crate) id: String,
+    pub(crate) session_id: Option<String>,
+    pub(crate) storage_session_id: Option<String>,
     #[serde(default)]
-    pub name: String,
+    pub(crate) name: String,
 }
 
 impl ExecBody {
     /// Checks the body and splits it into the session choice and the exec.
-    pub fn into_parts(self, caller: &Caller) -> AppResult<(SessionChoice, ExecInput)> {
+    pub(crate) fn into_parts(self, caller: &Caller) -> AppResult<(SessionChoice, ExecInput)> {
         let lang: Language = self
             .lang
             .parse()
@@ -131,42 +132,6 @@ impl ExecBody {
     }
 }
 
-/// The `/exec` response of API.md.
-pub fn output_json(output: &ExecOutput) -> Value {
-    let files: Vec<Value> = output
-        .files
-        .iter()
-        .map(|f| {
-            let mut file = json!({
-                "id": f.id,
-                "name": f.name,
-                "path": format!("/mnt/data/{}", f.name),
-                "storage_session_id": output.session_id,
-                "session_id": output.session_id,
-                "size": f.size,
-            });
-            if let Some(previous) = &f.modified_from {
-                file["modified_from"] = json!(previous);
-            }
-            file
-        })
-        .collect();
-    json!({
-        "session_id": output.session_id,
-        "stdout": output.stdout,
-        "stderr": output.stderr,
-        "files": files,
-        "runtime_session_id": output.session_id,
-        "runtime_status": match output.runtime_status {
-            RuntimeStatus::New => "new",
-            RuntimeStatus::Reused => "reused",
-        },
-        "exit_code": output.exit_code,
-        "duration_ms": output.duration_ms,
-        "limits": output.limits.iter().map(|l| l.message()).collect::<Vec<_>>(),
-    })
-}
-
 /// Runs code in a session and answers with its output and files. After 2 s the answer
 /// becomes a 200 whose body starts with whitespace (keep-alive) and ends with the JSON.
 #[utoipa::path(
@@ -191,11 +156,8 @@ async fn exec(
     ApiJson(body): ApiJson<ExecBody>,
 ) -> AppResult<Response> {
     let (choice, input) = body.into_parts(&caller)?;
-    state.broker.limits.check_exec(choice.user.as_deref())?;
-    let broker = state.broker.clone();
-    let session = broker.choose_session(&choice, &input.files).await?;
     // The exec runs in a task of its own, so a client that goes away does not leave the
-    // session half-way through a call; it is told to stop instead (the guard, dropped with
+    // session half-way through a call; it is told to stop instead (the run, dropped with
     // this handler or with the response body, cancels it), so its code does not run on
     // for nobody.
     let cancel = CancellationToken::new();
@@ -203,41 +165,34 @@ async fn exec(
         cancel: Some(cancel.clone()),
         ..Default::default()
     };
-    let cancel_on_drop = cancel.drop_guard();
-    let mut task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
+    let mut run = state
+        .broker
+        .start_exec(&choice, input, hooks)
+        .await?
+        .cancel_on_drop(Some(&cancel));
 
-    match tokio::time::timeout(KEEPALIVE_AFTER, &mut task).await {
-        Ok(joined) => {
-            cancel_on_drop.disarm();
-            let output =
-                joined.map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
-            Ok(axum::Json(output_json(&output)).into_response())
-        }
-        Err(_) => Ok(keepalive_response(task, cancel_on_drop)),
+    match tokio::time::timeout(KEEPALIVE_AFTER, &mut run).await {
+        Ok(output) => Ok(axum::Json(output_json(&output?)).into_response()),
+        Err(_) => Ok(keepalive_response(run)),
     }
 }
 
 /// A 200 whose body is whitespace every few seconds, then the JSON (JSON parsers skip
 /// leading whitespace). An error after this point can only be told in the body. The body
-/// holds `cancel_on_drop`: a client that disconnects stops the exec.
-fn keepalive_response(
-    task: tokio::task::JoinHandle<AppResult<ExecOutput>>,
-    cancel_on_drop: tokio_util::sync::DropGuard,
-) -> Response {
-    let stream = futures::stream::unfold(Some((task, cancel_on_drop)), |state| async move {
-        let (mut task, cancel_on_drop) = state?;
+/// holds the run: a client that disconnects stops the exec.
+fn keepalive_response(run: ExecRun) -> Response {
+    let stream = futures::stream::unfold(Some(run), |state| async move {
+        let mut run = state?;
         tokio::select! {
-            joined = &mut task => {
-                cancel_on_drop.disarm();
-                let body = match joined {
-                    Ok(Ok(output)) => output_json(&output),
-                    Ok(Err(err)) => err.body(),
-                    Err(e) => AppError::internal(format!("exec task failed: {e}")).body(),
+            output = &mut run => {
+                let body = match output {
+                    Ok(output) => output_json(&output),
+                    Err(err) => AppError::from(err).body(),
                 };
                 Some((Ok::<_, std::io::Error>(body.to_string().into_bytes()), None))
             }
             _ = tokio::time::sleep(KEEPALIVE_EVERY) => {
-                Some((Ok(b" ".to_vec()), Some((task, cancel_on_drop))))
+                Some((Ok(b" ".to_vec()), Some(run)))
             }
         }
     });
@@ -345,10 +300,6 @@ async fn exec_stream(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let (choice, input) = body.into_parts(&caller)?;
-    state.broker.limits.check_exec(choice.user.as_deref())?;
-    let broker = state.broker.clone();
-    let session = broker.choose_session(&choice, &input.files).await?;
-    let workspace = session.workspace.clone();
     let inline_left = state.broker.config.max_display_bytes;
     let (tx, rx) = mpsc::channel(STREAM_QUEUE);
     let cancel = CancellationToken::new();
@@ -357,23 +308,26 @@ async fn exec_stream(
         tools: None,
         cancel: Some(cancel.clone()),
     };
-    let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
+    let run = state
+        .broker
+        .start_exec(&choice, input, hooks)
+        .await?
+        .cancel_on_drop(Some(&cancel));
+    let workspace = run.session.workspace.clone();
 
     struct State {
         rx: mpsc::Receiver<WorkerMessage>,
-        task: Option<tokio::task::JoinHandle<AppResult<ExecOutput>>>,
+        /// The exec; dropped with the body, so a client that goes away cancels it.
+        run: Option<ExecRun>,
         workspace: crate::workspace::Workspace,
         /// Bytes of files the displays of this exec may still inline.
         inline_left: u64,
-        /// Dropped with the body: a client that goes away cancels the exec.
-        _cancel_on_drop: tokio_util::sync::DropGuard,
     }
     let state = State {
         rx,
-        task: Some(task),
+        run: Some(run),
         workspace,
         inline_left,
-        _cancel_on_drop: cancel.drop_guard(),
     };
     let stream = futures::stream::unfold(state, move |mut st| async move {
         if let Some(msg) = st.rx.recv().await {
@@ -399,14 +353,10 @@ async fn exec_stream(
             };
             return Some((event, st));
         }
-        let task = st.task.take()?;
-        let (name, data) = match task.await {
-            Ok(Ok(output)) => ("result", output_json(&output)),
-            Ok(Err(err)) => ("error", err.body()),
-            Err(e) => (
-                "error",
-                AppError::internal(format!("exec task failed: {e}")).body(),
-            ),
+        let run = st.run.take()?;
+        let (name, data) = match run.await {
+            Ok(output) => ("result", output_json(&output)),
+            Err(err) => ("error", AppError::from(err).body()),
         };
         Some((stream_event(name, data, ndjson), st))
     });

@@ -15,12 +15,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Routes that need no key: monitors and load balancers call them.
-pub fn public_router() -> Router<AppState> {
+pub(crate) fn public_router() -> Router<AppState> {
     Router::new().route("/health", get(health))
 }
 
 /// Routes behind the key.
-pub fn protected_router() -> Router<AppState> {
+pub(crate) fn protected_router() -> Router<AppState> {
     Router::new()
         .route("/libraries", get(libraries))
         .route("/metrics", get(metrics))

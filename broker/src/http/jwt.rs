@@ -17,11 +17,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// later than this after its `iat` (the leeway on `exp` included); without `iat`, from
 /// now until `exp` plus the leeway may not exceed it. LibreChat mints short-lived tokens;
 /// a long-lived one is a leaked or forged one.
-pub const MAX_LIFETIME_SECS: u64 = 300;
+pub(crate) const MAX_LIFETIME_SECS: u64 = 300;
 
 /// Clock skew tolerated between LibreChat and the broker, on `exp`, `nbf` and `iat`; it
 /// never extends a token past [`MAX_LIFETIME_SECS`] after its `iat`.
-pub const LEEWAY_SECS: u64 = 30;
+pub(crate) const LEEWAY_SECS: u64 = 30;
 
 /// One trusted public key.
 struct PublicKey {
@@ -37,7 +37,7 @@ struct PublicKey {
 
 /// The configured keys plus the claims every token must carry.
 #[derive(Default)]
-pub struct JwtKeys {
+pub(crate) struct JwtKeys {
     /// Trusted keys; empty when JWTs are not accepted at all.
     keys: Vec<PublicKey>,
     /// The required `iss`.
@@ -48,11 +48,11 @@ pub struct JwtKeys {
 
 /// What a verified token says about the caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verified {
+pub(crate) struct Verified {
     /// The end user (`sub`); it decides which sessions and files are visible.
-    pub user: String,
+    pub(crate) user: String,
     /// LibreChat's tenant, when it sends one (logged only).
-    pub tenant_id: Option<String>,
+    pub(crate) tenant_id: Option<String>,
 }
 
 /// The claims the broker reads; `iss`, `aud` and `nbf` are checked by `jsonwebtoken`.
@@ -71,7 +71,7 @@ struct Claims {
 impl JwtKeys {
     /// Loads `CODEBROKER_JWT_PUBLIC_KEYS`: each entry is a PEM file path or an inline PEM
     /// (with `\n` escapes allowed), optionally `kid=` first.
-    pub fn from_config(config: &Config) -> anyhow::Result<JwtKeys> {
+    pub(crate) fn from_config(config: &Config) -> anyhow::Result<JwtKeys> {
         let mut keys = Vec::new();
         for entry in config.jwt_key_entries() {
             let key = parse_entry(entry)
@@ -87,12 +87,12 @@ impl JwtKeys {
     }
 
     /// Whether no key is configured (JWTs are then not accepted).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
     /// Verifies `token` now. The error is a reason for the log, never for the client.
-    pub fn verify(&self, token: &str) -> Result<Verified, String> {
+    pub(crate) fn verify(&self, token: &str) -> Result<Verified, String> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -186,7 +186,7 @@ fn check_claims(claims: Claims, now: u64) -> Result<Verified, String> {
 
 /// Whether a bearer token looks like a JWT (three base64url parts, a JSON header) rather
 /// than an API key.
-pub fn looks_like_jwt(token: &str) -> bool {
+pub(crate) fn looks_like_jwt(token: &str) -> bool {
     token.starts_with("eyJ") && token.split('.').count() == 3
 }
 

@@ -12,9 +12,9 @@ use super::exec::ExecBody;
 use super::{AppState, GatewayJson};
 use crate::config::{AuthMode, Config};
 use crate::http::auth::{key_matches, require_auth, Caller};
-use crate::http::error::{AppError, AppResult};
+use crate::http::error::AppResult;
 use crate::ids::is_valid_id;
-use crate::mcp::{download_url, inline_image_mime};
+use crate::render::lobe_markdown;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
@@ -30,7 +30,7 @@ const SETTINGS_HEADER: &str = "x-lobe-plugin-settings";
 const SETTINGS_KEY_FIELD: &str = "apiKey";
 
 /// The manifest (public) and the run route (its own auth: the settings key, or the usual).
-pub fn router(state: &AppState) -> Router<AppState> {
+pub(crate) fn router(state: &AppState) -> Router<AppState> {
     let run = Router::new().route("/lobe/run", post(run)).route_layer(
         axum::middleware::from_fn_with_state(state.clone(), lobe_auth),
     );
@@ -61,7 +61,7 @@ fn settings_key(headers: &HeaderMap) -> Option<String> {
 }
 
 /// The plugin manifest, built from the configuration (URLs, whether a key is required).
-pub fn manifest_json(config: &Config) -> Value {
+pub(crate) fn manifest_json(config: &Config) -> Value {
     let public_url = config.public_url.trim_end_matches('/');
     let langs: Vec<&str> = Language::ALL.iter().map(|l| l.as_str()).collect();
     let mut settings = json!({
@@ -141,7 +141,7 @@ async fn manifest(State(state): State<AppState>) -> Json<Value> {
 /// (or a file it reads) may steer; who the user is comes from the credentials only.
 /// Other fields are ignored.
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
-pub struct LobeArgs {
+pub(crate) struct LobeArgs {
     /// Language name or alias.
     lang: String,
     /// Source code.
@@ -195,14 +195,11 @@ async fn run(
         files: None,
     };
     let (choice, input) = body.into_parts(&caller)?;
-    broker.limits.check_exec(choice.user.as_deref())?;
-    let session = broker.choose_session(&choice, &input.files).await?;
-    let exec_broker = broker.clone();
-    let output =
-        tokio::spawn(async move { exec_broker.exec(session, input, Default::default()).await })
-            .await
-            .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
-    let text = markdown(&output, &broker.config.public_url);
+    let output = broker
+        .start_exec(&choice, input, Default::default())
+        .await?
+        .await?;
+    let text = lobe_markdown(&output, &broker.config.public_url);
     Ok((
         [(header::CONTENT_TYPE, "text/markdown; charset=utf-8")],
         text,
@@ -210,97 +207,9 @@ async fn run(
         .into_response())
 }
 
-/// The answer: output in fenced blocks, images as `![](url)`, other files as links, and
-/// the session to pass next time.
-fn markdown(output: &crate::core::ExecOutput, public_url: &str) -> String {
-    let mut md = String::new();
-    if !output.stdout.is_empty() {
-        md.push_str("stdout:\n\n");
-        md.push_str(&fenced(&output.stdout));
-    }
-    if !output.stderr.is_empty() {
-        md.push_str("stderr:\n\n");
-        md.push_str(&fenced(&output.stderr));
-    }
-    if md.is_empty() {
-        md.push_str("(no output)\n\n");
-    }
-    match output.exit_code {
-        Some(0) => {}
-        Some(code) => md.push_str(&format!("Exit code: {code}\n\n")),
-        None => md.push_str("The program did not finish.\n\n"),
-    }
-    if !output.limits.is_empty() {
-        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
-        md.push_str(&format!("Limits hit: {}\n\n", limits.join(", ")));
-    }
-    let (images, others): (Vec<_>, Vec<_>) = output
-        .files
-        .iter()
-        .partition(|f| inline_image_mime(&f.name).is_some());
-    for image in images {
-        let url = download_url(public_url, &output.session_id, &image.id);
-        md.push_str(&format!("![{}]({url})\n\n", link_text(&image.name)));
-    }
-    if !others.is_empty() {
-        md.push_str("Files:\n\n");
-        for file in others {
-            let url = download_url(public_url, &output.session_id, &file.id);
-            md.push_str(&format!(
-                "- [{}]({url}) ({} bytes)\n",
-                link_text(&file.name),
-                file.size
-            ));
-        }
-        md.push('\n');
-    }
-    md.push_str(&format!(
-        "session_id: `{}` (pass it as session_id in the next runCode call to keep variables \
-and files)\n",
-        output.session_id
-    ));
-    md
-}
-
-/// A fenced code block whose fence is longer than any run of backticks in `text`.
-fn fenced(text: &str) -> String {
-    let mut longest = 0;
-    let mut run = 0;
-    for c in text.chars() {
-        if c == '`' {
-            run += 1;
-            longest = longest.max(run);
-        } else {
-            run = 0;
-        }
-    }
-    let fence = "`".repeat(longest.max(2) + 1);
-    let newline = if text.ends_with('\n') { "" } else { "\n" };
-    format!("{fence}text\n{text}{newline}{fence}\n\n")
-}
-
-/// A file name as markdown link text: brackets and backslashes escaped.
-fn link_text(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
-    for c in name.chars() {
-        if matches!(c, '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workspace::{FileRecord, Origin};
-
-    #[test]
-    fn fences_outgrow_the_backticks_inside() {
-        assert_eq!(fenced("hi\n"), "```text\nhi\n```\n\n");
-        assert_eq!(fenced("a ```` b"), "`````text\na ```` b\n`````\n\n");
-    }
 
     #[test]
     fn settings_key_from_the_header() {
@@ -312,52 +221,6 @@ mod tests {
         assert_eq!(settings_key(&h), None);
         h.insert(SETTINGS_HEADER, "not json".parse().unwrap());
         assert_eq!(settings_key(&h), None);
-    }
-
-    fn record(name: &str) -> FileRecord {
-        FileRecord {
-            id: format!("{name:_>21}").chars().take(21).collect(),
-            name: name.into(),
-            size: 3,
-            sha256: String::new(),
-            created_ms: 0,
-            stamp: Default::default(),
-            current: true,
-            origin: Origin::Generated,
-            read_only: false,
-            kind: None,
-            modified_from: None,
-        }
-    }
-
-    #[test]
-    fn markdown_has_output_images_links_and_session() {
-        let output = crate::core::ExecOutput {
-            session_id: "S".repeat(21),
-            stdout: "42\n".into(),
-            stderr: String::new(),
-            files: vec![record("plot.png"), record("out[1].csv")],
-            runtime_status: sandbox_runner::RuntimeStatus::New,
-            exit_code: Some(0),
-            duration_ms: 1,
-            limits: vec![],
-            compile_cached: None,
-        };
-        let md = markdown(&output, "https://x.example/");
-        let s = "S".repeat(21);
-        assert!(md.starts_with("stdout:\n\n```text\n42\n```\n"), "{md}");
-        assert!(
-            md.contains(&format!(
-                "![plot.png](https://x.example/download/{s}/{})",
-                output.files[0].id
-            )),
-            "{md}"
-        );
-        assert!(
-            md.contains("- [out\\[1\\].csv](https://x.example/download/"),
-            "{md}"
-        );
-        assert!(md.contains(&format!("session_id: `{s}`")), "{md}");
     }
 
     #[test]

@@ -1,16 +1,16 @@
 //! The HTTP API: one module per resource, each with its `router()`, merged here and served
 //! at `/` and again under `/v1` (LibreChat's default base URL ends in `/v1`).
 
-pub mod auth;
-pub mod error;
-pub mod exec;
-pub mod files;
-pub mod health;
-pub mod jwt;
-pub mod lobe;
-pub mod openapi;
-pub mod playground;
-pub mod programmatic;
+pub(crate) mod auth;
+pub(crate) mod error;
+pub(crate) mod exec;
+pub(crate) mod files;
+pub(crate) mod health;
+pub(crate) mod jwt;
+pub(crate) mod lobe;
+pub(crate) mod openapi;
+pub(crate) mod playground;
+pub(crate) mod programmatic;
 pub(crate) mod server;
 
 use crate::config::AuthMode;
@@ -28,24 +28,26 @@ use std::sync::Arc;
 
 /// What every handler gets.
 #[derive(Clone)]
-pub struct AppState {
+pub(crate) struct AppState {
     /// The core.
-    pub broker: Arc<Broker>,
+    pub(crate) broker: Arc<Broker>,
     /// Programmatic runs waiting for their clients' tool results.
-    pub runs: Arc<programmatic::Runs>,
+    pub(crate) runs: Arc<programmatic::Runs>,
     /// Cancelled when the server stops: ends open MCP streams, which would otherwise hold
     /// up the graceful shutdown.
-    pub shutdown: tokio_util::sync::CancellationToken,
+    pub(crate) shutdown: tokio_util::sync::CancellationToken,
     /// Bytes (in [`BUDGET_UNIT`]s) of request bodies being read before their caller is
     /// known (the body-key path): CODEBROKER_PREAUTH_BODY_BUDGET.
     pub(crate) preauth_budget: Arc<tokio::sync::Semaphore>,
     /// The last Docker probe of `/health`, so a flood of health checks is not a flood of
     /// Docker calls.
     pub(crate) health: Arc<health::HealthCache>,
+    /// Public keys that verify LibreChat's JWTs; empty unless configured.
+    pub(crate) jwt: Arc<jwt::JwtKeys>,
 }
 
 impl AppState {
-    pub fn new(broker: Arc<Broker>) -> AppState {
+    pub(crate) fn new(broker: Arc<Broker>, jwt: jwt::JwtKeys) -> AppState {
         // Rounded up, as each request's reservation is: a budget that is not a whole
         // number of units still holds a body of its full size.
         let units = broker
@@ -62,12 +64,13 @@ impl AppState {
             health: Arc::default(),
             runs: Arc::default(),
             shutdown: tokio_util::sync::CancellationToken::new(),
+            jwt: Arc::new(jwt),
         }
     }
 }
 
 /// Every route, at the root and under `/v1`.
-pub fn router(state: AppState) -> Router {
+pub(crate) fn router(state: AppState) -> Router {
     let protected = Router::new()
         .merge(exec::router())
         .merge(programmatic::router())
@@ -182,7 +185,7 @@ fn host_allowed(host: &str, allowed: &[String]) -> bool {
 /// A JSON body, sent as `Content-Type: application/json` (else 415: a web page can send
 /// `text/plain` across origins without asking, never `application/json`), with errors in
 /// the API's envelope: malformed JSON is 400, well-formed JSON of the wrong shape 422.
-pub struct ApiJson<T>(pub T);
+pub(crate) struct ApiJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for ApiJson<T>
 where
@@ -211,7 +214,7 @@ where
 /// gateway posts the arguments as a string, so `text/plain`. Cross-site pages cannot use
 /// that: with auth on they cannot send the key header without a preflight, and with auth
 /// off [`require_known_host`] refuses their `Origin`.
-pub struct GatewayJson<T>(pub T);
+pub(crate) struct GatewayJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for GatewayJson<T>
 where

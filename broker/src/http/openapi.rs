@@ -13,82 +13,82 @@ use serde::Serialize;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new().route("/openapi.json", get(openapi_json))
 }
 
 /// The error envelope of every failure (API.md).
 #[derive(Serialize, ToSchema)]
-pub struct ErrorBody {
+pub(crate) struct ErrorBody {
     /// A stable code (`bad_request`, `unauthorized`, `not_found`, `rate_limited`, ...),
     /// which clients match on.
-    pub error: String,
+    pub(crate) error: String,
     /// A human-readable explanation; internal errors say only "internal error".
-    pub message: String,
+    pub(crate) message: String,
     /// On 429 only: seconds to wait before trying again.
     #[schema(nullable = false)]
-    pub retry_after_seconds: Option<u64>,
+    pub(crate) retry_after_seconds: Option<u64>,
 }
 
 /// One file an exec created or changed.
 #[derive(Serialize, ToSchema)]
-pub struct ExecFileDoc {
+pub(crate) struct ExecFileDoc {
     /// The file id (for `/download/{session_id}/{id}`).
-    pub id: String,
+    pub(crate) id: String,
     /// Its name under `/mnt/data` (may hold a relative path).
-    pub name: String,
+    pub(crate) name: String,
     /// `/mnt/data/<name>`.
-    pub path: String,
+    pub(crate) path: String,
     /// The session holding it (new contract generation).
-    pub storage_session_id: String,
+    pub(crate) storage_session_id: String,
     /// The session holding it (classic contract generation).
-    pub session_id: String,
+    pub(crate) session_id: String,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
     /// The id of the version it replaced, when it changed an existing file.
-    pub modified_from: Option<String>,
+    pub(crate) modified_from: Option<String>,
 }
 
 /// The answer of `POST /exec` (and the `result` event of `/exec/stream`).
 #[derive(Serialize, ToSchema)]
-pub struct ExecResponseDoc {
+pub(crate) struct ExecResponseDoc {
     /// The session the code ran in: pass it back to keep variables and files.
-    pub session_id: String,
+    pub(crate) session_id: String,
     /// What the code printed (capped by CODEBROKER_MAX_OUTPUT_BYTES).
-    pub stdout: String,
+    pub(crate) stdout: String,
     /// What the code wrote to stderr, with the broker's notes.
-    pub stderr: String,
+    pub(crate) stderr: String,
     /// Files created or changed.
-    pub files: Vec<ExecFileDoc>,
+    pub(crate) files: Vec<ExecFileDoc>,
     /// The same as `session_id` (new contract generation).
-    pub runtime_session_id: String,
+    pub(crate) runtime_session_id: String,
     /// `new` (a fresh interpreter) or `reused`.
-    pub runtime_status: String,
+    pub(crate) runtime_status: String,
     /// The program's exit code; null when it was stopped.
-    pub exit_code: Option<i32>,
+    pub(crate) exit_code: Option<i32>,
     /// Wall time of the exec in ms.
-    pub duration_ms: u64,
+    pub(crate) duration_ms: u64,
     /// The limits hit, in LibreChat's words (`Time limit exceeded`, ...).
-    pub limits: Vec<String>,
+    pub(crate) limits: Vec<String>,
 }
 
 /// A multipart upload (`/upload`, `/upload/batch`).
 #[derive(ToSchema)]
 #[allow(dead_code)]
-pub struct UploadFormDoc {
+pub(crate) struct UploadFormDoc {
     /// The file(s); the part's file name is the name in `/mnt/data` (relative paths allowed).
     #[schema(format = Binary, value_type = String)]
-    pub file: Vec<u8>,
+    pub(crate) file: Vec<u8>,
     /// The session to add to.
-    pub session_id: Option<String>,
+    pub(crate) session_id: Option<String>,
     /// A LibreChat agent or assistant id (classic): its session, else a new one.
-    pub entity_id: Option<String>,
+    pub(crate) entity_id: Option<String>,
     /// New contract generation: `kind`/`id`/`version` of the resource.
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
     /// `true`: the sandbox may read the file but changes are not harvested.
-    pub read_only: Option<bool>,
+    pub(crate) read_only: Option<bool>,
     /// The end user, when the headers name none.
-    pub user_id: Option<String>,
+    pub(crate) user_id: Option<String>,
 }
 
 /// The whole document.
@@ -105,13 +105,13 @@ pub struct UploadFormDoc {
         super::exec::exec_stream,
         super::programmatic::programmatic,
         super::programmatic::cancel,
-        super::files::upload,
-        super::files::upload_batch,
+        super::files::upload::upload,
+        super::files::upload::upload_batch,
         super::files::list_files,
         super::files::delete_file,
         super::files::object_info,
         super::files::delete_object,
-        super::files::download,
+        super::files::download::download,
         super::health::health,
         super::health::libraries,
         super::health::metrics,
@@ -127,7 +127,7 @@ pub struct UploadFormDoc {
     components(schemas(ErrorBody, ExecResponseDoc, ExecFileDoc, UploadFormDoc)),
     modifiers(&SecuritySchemes),
 )]
-pub struct ApiDoc;
+pub(crate) struct ApiDoc;
 
 /// Adds the two ways to send the key.
 struct SecuritySchemes;
@@ -154,7 +154,7 @@ impl Modify for SecuritySchemes {
 }
 
 /// The document as JSON.
-pub fn spec() -> utoipa::openapi::OpenApi {
+pub(crate) fn spec() -> utoipa::openapi::OpenApi {
     ApiDoc::openapi()
 }
 

@@ -32,7 +32,7 @@ const CSP: &str = "default-src 'self'; img-src 'self' data: blob:; style-src 'se
                    script-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; \
                    frame-ancestors 'none'";
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/", get(page))
         .route("/playground/{asset}", get(asset))

@@ -5,12 +5,13 @@
 //!
 //! A waiting run holds no thread: it is a task blocked on a channel, kept here by token.
 
-use super::exec::{output_json, Args, ExecBody, FileRef};
+use super::exec::{Args, ExecBody, FileRef};
 use super::{ApiJson, AppState};
-use crate::core::{ExecHooks, ExecOutput, ToolBridge};
+use crate::core::{ExecHooks, ExecOutput, ExecRun, ToolBridge, Verdict};
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
+use crate::render::output_json;
 use crate::session::visible;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -24,7 +25,6 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// After a first tool call, how long to wait for more before answering: calls made in
@@ -64,7 +64,7 @@ fn next_window(window: Duration, calls: usize) -> Duration {
 /// Remembered used tokens, so a reused one is told apart (409) from an unknown one (404).
 const USED_TOKENS_KEPT: usize = 10_000;
 
-pub fn router() -> Router<AppState> {
+pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/exec/programmatic", post(programmatic))
         .route("/exec/programmatic/cancel", post(cancel))
@@ -72,7 +72,7 @@ pub fn router() -> Router<AppState> {
 
 /// The programmatic runs waiting for their clients.
 #[derive(Default)]
-pub struct Runs {
+pub(crate) struct Runs {
     /// Runs by their current continuation token.
     by_token: DashMap<String, Arc<Run>>,
     /// Runs by the user who started them and a request id their requests named, for the
@@ -100,7 +100,7 @@ struct Run {
     /// Calls handed to the client and not answered yet.
     pending: Mutex<HashSet<String>>,
     /// The exec; taken when it has finished.
-    task: Mutex<Option<JoinHandle<AppResult<ExecOutput>>>>,
+    task: Mutex<Option<ExecRun>>,
     /// Stops the exec (cancel route, expired token).
     cancel: CancellationToken,
     /// How long the next batch waits for more calls after its first (see `next_window`).
@@ -234,8 +234,6 @@ async fn start_run(
         files: body.files,
     };
     let (choice, input) = exec_body.into_parts(caller)?;
-    state.broker.limits.check_exec(choice.user.as_deref())?;
-    let session = state.broker.choose_session(&choice, &input.files).await?;
     let request_id = request_id(headers);
 
     let (calls_tx, calls_rx) = mpsc::unbounded_channel();
@@ -250,9 +248,8 @@ async fn start_run(
         }),
         cancel: Some(cancel.clone()),
     };
-    let broker = state.broker.clone();
-    let session_id = session.id().to_string();
-    let task = tokio::spawn(async move { broker.exec(session, input, hooks).await });
+    let task = state.broker.start_exec(&choice, input, hooks).await?;
+    let session_id = task.session.id().to_string();
     let run = Arc::new(Run {
         session_id,
         user: choice.user.clone(),
@@ -404,8 +401,7 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
         }
         Err(joined) => {
             forget(state, &run);
-            let output =
-                joined.map_err(|e| AppError::internal(format!("run task failed: {e}")))??;
+            let output = joined?;
             Ok(final_json(&output))
         }
     }
@@ -432,14 +428,11 @@ fn forget(state: &AppState, run: &Arc<Run>) {
 
 /// `completed`, or `error` with LibreChat's words for what went wrong.
 fn final_json(output: &ExecOutput) -> Value {
-    let error = if let Some(limit) = output.limits.first() {
-        Some(limit.message().to_string())
-    } else {
-        match output.exit_code {
-            Some(0) => None,
-            Some(code) => Some(format!("Sandbox exited with code {code}")),
-            None => Some("Execution failed or timed out".to_string()),
-        }
+    let error = match output.verdict() {
+        Verdict::Ok => None,
+        Verdict::Limit(limits) => Some(limits[0].message().to_string()),
+        Verdict::Failed(code) => Some(format!("Sandbox exited with code {code}")),
+        Verdict::Stopped => Some("Execution failed or timed out".to_string()),
     };
     let mut body = output_json(output);
     match error {

@@ -10,7 +10,7 @@
 
 /// Why a session's container is removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// Idle past the idle TTL.
     Idle,
     /// Used at most once and idle past the single-use TTL.
@@ -23,7 +23,7 @@ pub enum Reason {
 
 impl Reason {
     /// The label value in metrics and the audit log.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::Idle => "idle",
             Reason::SingleUse => "single_use",
@@ -35,41 +35,41 @@ impl Reason {
 
 /// The rules, from the configuration.
 #[derive(Debug, Clone, Copy)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// A container idle this long goes (ms).
-    pub idle_ttl_ms: u64,
+    pub(crate) idle_ttl_ms: u64,
     /// A container whose session ran at most one exec goes after this idle time (ms);
     /// 0 turns the rule off.
-    pub single_use_ttl_ms: u64,
+    pub(crate) single_use_ttl_ms: u64,
     /// Most session containers alive at once; 0: no cap.
-    pub max_live: usize,
+    pub(crate) max_live: usize,
     /// Most session containers alive at once for one user; 0: no cap.
-    pub max_per_user: usize,
+    pub(crate) max_per_user: usize,
 }
 
 /// What the rules look at of one session that holds a container.
 #[derive(Debug, Clone)]
-pub struct Live {
+pub(crate) struct Live {
     /// Milliseconds since the epoch of its last use.
-    pub last_used_ms: u64,
+    pub(crate) last_used_ms: u64,
     /// Execs it ran.
-    pub execs: u64,
+    pub(crate) execs: u64,
     /// Whether an exec is running or queued: a busy container is never removed.
-    pub busy: bool,
+    pub(crate) busy: bool,
     /// Its uses when the snapshot was taken: a removal is dropped if it was used since.
-    pub uses: u64,
+    pub(crate) uses: u64,
     /// Its owner (`None`: callers that name no user), for the per-user cap.
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
 }
 
 /// The containers about to start, for which the caps must leave room.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Room<'a> {
+pub(crate) struct Room<'a> {
     /// How many, all users together.
-    pub total: usize,
+    pub(crate) total: usize,
     /// The owner of the one a request is waiting for (`Some(None)`: a caller naming no
     /// user), who gets room under the per-user cap too; `None`: no such request.
-    pub user: Option<Option<&'a str>>,
+    pub(crate) user: Option<Option<&'a str>>,
 }
 
 /// The containers to remove, as indexes into `live` with the reason, so that after
@@ -77,7 +77,12 @@ pub struct Room<'a> {
 /// the per-user cap are `room.user`'s. TTL victims come first, then the user's least
 /// recently used idle ones, then anyone's. Busy containers are kept even over a cap (the
 /// cap is then reached again as they finish).
-pub fn victims(policy: &Policy, live: &[Live], now_ms: u64, room: Room) -> Vec<(usize, Reason)> {
+pub(crate) fn victims(
+    policy: &Policy,
+    live: &[Live],
+    now_ms: u64,
+    room: Room,
+) -> Vec<(usize, Reason)> {
     let mut out = Vec::new();
     let mut keep = Vec::new();
     for (i, s) in live.iter().enumerate() {

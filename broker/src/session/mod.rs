@@ -2,15 +2,16 @@
 //!
 //! Execs of one session run one at a time, in arrival order; sessions run in parallel.
 
-pub mod evict;
-pub mod pool;
-pub mod registry;
+pub(crate) mod evict;
+pub(crate) mod pool;
+pub(crate) mod registry;
 
-pub use pool::Pool;
-pub use registry::Registry;
+pub(crate) use pool::Pool;
+pub(crate) use registry::Registry;
 
+use crate::clock::now_ms;
 use crate::sandbox::Sandbox;
-use crate::workspace::{now_ms, FileIndex, Workspace};
+use crate::workspace::{FileIndex, Workspace};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,27 +19,27 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Who a session belongs to, persisted as `session.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SessionMeta {
+pub(crate) struct SessionMeta {
     /// The session id (also the workspace's directory name).
-    pub id: String,
+    pub(crate) id: String,
     /// The end user it belongs to, when the caller named one; other users never see it.
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// The `entity_id` it was created for, so later calls with that entity find it.
-    pub entity_id: Option<String>,
+    pub(crate) entity_id: Option<String>,
     /// The `runtime_session_hint` it was created for (an opaque key of the client, such
     /// as a conversation id), so later calls with that hint find it.
     #[serde(default)]
-    pub runtime_hint: Option<String>,
+    pub(crate) runtime_hint: Option<String>,
     /// Milliseconds since the epoch at creation.
-    pub created_ms: u64,
+    pub(crate) created_ms: u64,
 }
 
 /// One chat session.
 pub struct Session {
     /// Identity and owner.
-    pub meta: SessionMeta,
+    pub(crate) meta: SessionMeta,
     /// Its files on the host.
-    pub workspace: Workspace,
+    pub(crate) workspace: Workspace,
     /// One permit: holding it is the right to run an exec (or to touch the sandbox).
     queue: Arc<Semaphore>,
     /// The running sandbox, if any. Swapped only by the holder of the queue permit.
@@ -78,17 +79,17 @@ impl Session {
     }
 
     /// The session id.
-    pub fn id(&self) -> &str {
+    pub(crate) fn id(&self) -> &str {
         &self.meta.id
     }
 
     /// Whether `user` may see this session (see [`visible`]).
-    pub fn visible_to(&self, user: Option<&str>) -> bool {
+    pub(crate) fn visible_to(&self, user: Option<&str>) -> bool {
         visible(user, self.meta.user.as_deref())
     }
 
     /// Waits for this session's turn to run.
-    pub async fn acquire(&self) -> OwnedSemaphorePermit {
+    pub(crate) async fn acquire(&self) -> OwnedSemaphorePermit {
         // The semaphore is never closed, so acquiring cannot fail.
         loop {
             if let Ok(permit) = self.queue.clone().acquire_owned().await {
@@ -98,61 +99,61 @@ impl Session {
     }
 
     /// Takes the turn only if nobody holds it (for the reaper).
-    pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
+    pub(crate) fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
         self.queue.clone().try_acquire_owned().ok()
     }
 
     /// The current sandbox.
-    pub fn sandbox(&self) -> Option<Arc<Sandbox>> {
+    pub(crate) fn sandbox(&self) -> Option<Arc<Sandbox>> {
         lock(&self.sandbox).clone()
     }
 
     /// Replaces the sandbox, returning the old one.
-    pub fn set_sandbox(&self, sandbox: Option<Arc<Sandbox>>) -> Option<Arc<Sandbox>> {
+    pub(crate) fn set_sandbox(&self, sandbox: Option<Arc<Sandbox>>) -> Option<Arc<Sandbox>> {
         std::mem::replace(&mut *lock(&self.sandbox), sandbox)
     }
 
     /// The file index, briefly.
-    pub fn index(&self) -> MutexGuard<'_, FileIndex> {
+    pub(crate) fn index(&self) -> MutexGuard<'_, FileIndex> {
         lock(&self.index)
     }
 
     /// Records that the session was just used.
-    pub fn touch(&self) {
+    pub(crate) fn touch(&self) {
         self.last_used_ms.store(now_ms(), Ordering::Relaxed);
         self.uses.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Records that an exec ran to its end.
-    pub fn exec_done(&self) {
+    pub(crate) fn exec_done(&self) {
         self.execs.fetch_add(1, Ordering::Relaxed);
         self.touch();
     }
 
     /// Execs run since the session was loaded.
-    pub fn exec_count(&self) -> u64 {
+    pub(crate) fn exec_count(&self) -> u64 {
         self.execs.load(Ordering::Relaxed)
     }
 
     /// Whether an exec holds or waits for the session's turn.
-    pub fn is_busy(&self) -> bool {
+    pub(crate) fn is_busy(&self) -> bool {
         self.queue.available_permits() == 0
     }
 
     /// Milliseconds since the epoch of the last use.
-    pub fn last_used_ms(&self) -> u64 {
+    pub(crate) fn last_used_ms(&self) -> u64 {
         self.last_used_ms.load(Ordering::Relaxed)
     }
 
     /// Uses so far (see [`Session::claim_unused_since`]).
-    pub fn uses(&self) -> u64 {
+    pub(crate) fn uses(&self) -> u64 {
         self.uses.load(Ordering::SeqCst)
     }
 
     /// The turn, for removing the session's sandbox, when the session was not used since a
     /// snapshot that saw `uses` uses. The uses are looked at again once the turn is held:
     /// an exec that took the turn in between marked the session used, so its sandbox stays.
-    pub fn claim_unused_since(&self, uses: u64) -> Option<OwnedSemaphorePermit> {
+    pub(crate) fn claim_unused_since(&self, uses: u64) -> Option<OwnedSemaphorePermit> {
         if self.uses() != uses {
             return None;
         }
@@ -166,7 +167,7 @@ impl Session {
 /// named user sees only what is theirs: not another user's, and not what an unnamed
 /// caller made (MCP clients, LobeChat and the playground name no user, and their session
 /// ids travel in transcripts and shared chats).
-pub fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
+pub(crate) fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
     match (user, owner) {
         (Some(caller), Some(owner)) => caller == owner,
         (Some(_), None) => false,

@@ -81,17 +81,17 @@ impl Demand {
 }
 
 /// A started sandbox waiting for its session.
-pub struct Pooled {
+pub(crate) struct Pooled {
     /// The id the session will have; the workspace directory is already named after it.
-    pub session_id: String,
+    pub(crate) session_id: String,
     /// The empty workspace the sandbox mounts.
-    pub workspace: Workspace,
+    pub(crate) workspace: Workspace,
     /// The sandbox, its Python kernel already started.
-    pub sandbox: Arc<Sandbox>,
+    pub(crate) sandbox: Arc<Sandbox>,
 }
 
 /// The warm pool.
-pub struct Pool {
+pub(crate) struct Pool {
     /// Sandboxes ready to be taken, oldest first.
     ready: Mutex<VecDeque<Pooled>>,
     /// How many the pool keeps ready when no burst was seen lately (0: no pool).
@@ -120,7 +120,7 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(size: usize, max: usize, concurrency: usize) -> Pool {
+    pub(crate) fn new(size: usize, max: usize, concurrency: usize) -> Pool {
         Pool {
             ready: Mutex::new(VecDeque::new()),
             size,
@@ -137,13 +137,13 @@ impl Pool {
     }
 
     /// Marks a sandbox start for a waiting request (a pool miss) until the guard drops.
-    pub fn cold_start(&self) -> ColdStart {
+    pub(crate) fn cold_start(&self) -> ColdStart {
         self.cold_starts.fetch_add(1, Ordering::SeqCst);
         ColdStart(self.cold_starts.clone())
     }
 
     /// Hands back a taken sandbox that could not be used; the refiller removes it.
-    pub fn discard(&self, pooled: Pooled) {
+    pub(crate) fn discard(&self, pooled: Pooled) {
         pooled.sandbox.close("not handed out");
         self.discarded
             .lock()
@@ -153,23 +153,23 @@ impl Pool {
     }
 
     /// How many sandboxes are being started outside the pool now.
-    pub fn cold_starts(&self) -> usize {
+    pub(crate) fn cold_starts(&self) -> usize {
         self.cold_starts.load(Ordering::SeqCst)
     }
 
     /// How many sandboxes are being started now.
-    pub fn creating(&self) -> usize {
+    pub(crate) fn creating(&self) -> usize {
         self.creating.load(Ordering::SeqCst)
     }
 
     /// How many sandboxes are ready now.
-    pub fn ready(&self) -> usize {
+    pub(crate) fn ready(&self) -> usize {
         self.lock().len()
     }
 
     /// How many the pool aims to keep now: its size, or the largest recent burst up to
     /// its maximum.
-    pub fn target(&self) -> usize {
+    pub(crate) fn target(&self) -> usize {
         let peak = self
             .demand
             .lock()
@@ -179,13 +179,13 @@ impl Pool {
     }
 
     /// Takes a live pooled sandbox, if one is ready. Either way the take counts as demand.
-    pub fn take(&self) -> Option<Pooled> {
+    pub(crate) fn take(&self) -> Option<Pooled> {
         self.take_counting(true)
     }
 
     /// Takes a live pooled sandbox only if one is ready, counting demand only then: for a
     /// caller that falls back to [`Pool::take`] later, so a miss is counted once.
-    pub fn take_if_ready(&self) -> Option<Pooled> {
+    pub(crate) fn take_if_ready(&self) -> Option<Pooled> {
         self.take_counting(false)
     }
 
@@ -219,12 +219,12 @@ impl Pool {
         taken
     }
 
-    /// Keeps the pool full until `shutdown` resolves; then removes what it holds.
-    pub async fn run_refiller(
+    /// Keeps the pool full until `shutdown` is cancelled; then removes what it holds.
+    pub(crate) async fn run_refiller(
         self: Arc<Self>,
         docker: Arc<DockerBackend>,
         config: Arc<Config>,
-        mut shutdown: tokio::sync::watch::Receiver<bool>,
+        shutdown: tokio_util::sync::CancellationToken,
     ) {
         if self.size == 0 {
             return;
@@ -234,7 +234,7 @@ impl Pool {
             if let Some(taken) = last_take {
                 tokio::select! {
                     _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
-                    _ = shutdown.wait_for(|s| *s) => break,
+                    _ = shutdown.cancelled() => break,
                 }
             }
             let dead =
@@ -251,7 +251,7 @@ impl Pool {
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            if *shutdown.borrow() {
+            if shutdown.is_cancelled() {
                 break;
             }
             while self.ready() + self.creating.load(Ordering::SeqCst) < target
@@ -302,7 +302,7 @@ impl Pool {
                         .unwrap_or_else(|p| p.into_inner())
                         .extend(dead);
                 }
-                _ = shutdown.wait_for(|s| *s) => break,
+                _ = shutdown.cancelled() => break,
             }
         }
         // A container still being started would outlive the drain: wait for those first
@@ -316,7 +316,7 @@ impl Pool {
 
     /// Removes every pooled sandbox and its workspace, and those still being started
     /// once they are.
-    pub async fn drain(&self, docker: &DockerBackend) {
+    pub(crate) async fn drain(&self, docker: &DockerBackend) {
         let mut drained: Vec<Pooled> = {
             let mut ready = self.lock();
             self.closed.store(true, Ordering::SeqCst);
@@ -353,7 +353,7 @@ impl Pool {
 }
 
 /// A sandbox start outside the pool, counted while it lasts.
-pub struct ColdStart(Arc<AtomicUsize>);
+pub(crate) struct ColdStart(Arc<AtomicUsize>);
 
 impl Drop for ColdStart {
     fn drop(&mut self) {

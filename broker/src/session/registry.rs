@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The name of a session's metadata file in its workspace root.
-pub const META_FILE: &str = "session.json";
+pub(crate) const META_FILE: &str = "session.json";
 
 /// Sessions by id, plus the `entity_id` affinity map.
-pub struct Registry {
+pub(crate) struct Registry {
     /// Where workspaces live; sessions not in memory are loaded from here.
     data_dir: PathBuf,
     /// Sessions loaded so far.
@@ -23,7 +23,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new(data_dir: &Path) -> Registry {
+    pub(crate) fn new(data_dir: &Path) -> Registry {
         Registry {
             data_dir: data_dir.to_path_buf(),
             sessions: DashMap::new(),
@@ -32,22 +32,17 @@ impl Registry {
     }
 
     /// Number of sessions loaded in memory.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.sessions.len()
     }
 
-    /// Whether no session is loaded.
-    pub fn is_empty(&self) -> bool {
-        self.sessions.is_empty()
-    }
-
     /// Every loaded session.
-    pub fn all(&self) -> Vec<Arc<Session>> {
+    pub(crate) fn all(&self) -> Vec<Arc<Session>> {
         self.sessions.iter().map(|e| e.value().clone()).collect()
     }
 
     /// The session `id`, from memory or, after a restart, from disk.
-    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
+    pub(crate) fn get(&self, id: &str) -> Option<Arc<Session>> {
         if !is_valid_id(id) {
             return None;
         }
@@ -64,14 +59,14 @@ impl Registry {
     }
 
     /// The session made for `entity_id` by `user`.
-    pub fn by_entity(&self, user: Option<&str>, entity_id: &str) -> Option<Arc<Session>> {
+    pub(crate) fn by_entity(&self, user: Option<&str>, entity_id: &str) -> Option<Arc<Session>> {
         let key = (user.unwrap_or("").to_string(), entity_id.to_string());
         let id = self.entities.get(&key)?.clone();
         self.get(&id)
     }
 
     /// The session made for `runtime_session_hint` `hint` by `user`.
-    pub fn by_hint(&self, user: Option<&str>, hint: &str) -> Option<Arc<Session>> {
+    pub(crate) fn by_hint(&self, user: Option<&str>, hint: &str) -> Option<Arc<Session>> {
         self.by_entity(user, &hint_key(hint))
     }
 
@@ -89,7 +84,11 @@ impl Registry {
     }
 
     /// Registers a new session whose workspace exists already, and persists its metadata.
-    pub fn insert_new(&self, meta: SessionMeta, workspace: Workspace) -> io::Result<Arc<Session>> {
+    pub(crate) fn insert_new(
+        &self,
+        meta: SessionMeta,
+        workspace: Workspace,
+    ) -> io::Result<Arc<Session>> {
         workspace.save_meta(META_FILE, &meta)?;
         self.index_keys(&meta);
         let session = Arc::new(Session::new(meta, workspace, Default::default()));
@@ -99,7 +98,7 @@ impl Registry {
     }
 
     /// Forgets a session (its workspace is the caller's to remove).
-    pub fn remove(&self, id: &str) {
+    pub(crate) fn remove(&self, id: &str) {
         if let Some((_, session)) = self.sessions.remove(id) {
             let user = session.meta.user.clone().unwrap_or_default();
             let keys = [
@@ -114,7 +113,7 @@ impl Registry {
     }
 
     /// Reads every session on disk, so `entity_id` affinity survives a restart.
-    pub fn load_all(&self) -> io::Result<usize> {
+    pub(crate) fn load_all(&self) -> io::Result<usize> {
         let dir = self.data_dir.join("sessions");
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,

@@ -16,6 +16,7 @@
 //! broker's uid is not the sandbox's, code can read them but not change, replace, move or
 //! delete them.
 
+use crate::clock::now_ms;
 use crate::ids::new_id;
 use cap_fs_ext::{DirExt, FollowSymlinks, OpenOptionsFollowExt};
 use cap_std::ambient_authority;
@@ -25,7 +26,6 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Directories whose contents are never reported as generated files.
 const SKIPPED_DIRS: &[&str] = &[
@@ -586,10 +586,6 @@ impl Workspace {
         }
         let files = rustix::fs::open(self.files_dir(), dir_flags(), rustix::fs::Mode::empty())?;
         protect_dir(&files, sandbox_uid)
-    }
-    /// Whether the workspace exists on disk.
-    pub fn exists(&self) -> bool {
-        self.files_dir().is_dir()
     }
 
     /// Reads `index.json`; a missing one is an empty index.
@@ -1250,37 +1246,6 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         return Err(e);
     }
     std::fs::rename(&tmp, path)
-}
-
-/// Milliseconds since the epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// A MIME type from a file name's extension.
-pub fn content_type(name: &str) -> &'static str {
-    let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
-    match ext.as_deref() {
-        Some("png") => "image/png",
-        Some("jpg" | "jpeg") => "image/jpeg",
-        Some("gif") => "image/gif",
-        Some("svg") => "image/svg+xml",
-        Some("webp") => "image/webp",
-        Some("pdf") => "application/pdf",
-        Some("csv") => "text/csv",
-        Some("txt" | "log" | "md") => "text/plain; charset=utf-8",
-        Some("html" | "htm") => "text/html; charset=utf-8",
-        Some("json") => "application/json",
-        Some("xml") => "application/xml",
-        Some("zip") => "application/zip",
-        Some("xlsx") => "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
-        Some("docx") => "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
-        Some("pptx") => "application/vnd.openxmlformats-officedocument.presentationml.presentation",
-        _ => "application/octet-stream",
-    }
 }
 
 #[cfg(test)]

@@ -29,8 +29,7 @@ use self::search::rank;
 use self::upstream::{parse_server, UpstreamSlot};
 use self::wrap::{wrap_js, wrap_py, wrap_ts};
 use crate::config::Config;
-use crate::core::{Broker, ExecHooks, ExecInput, ToolBridge};
-use crate::http::error::AppError;
+use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge, Verdict};
 use crate::session::Session;
 use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
 use serde_json::{json, Value};
@@ -260,16 +259,12 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         lang: Language,
         code: &str,
         cancel: CancellationToken,
-    ) -> Result<Outcome, AppError> {
+    ) -> Result<Outcome, Error> {
         let code = match lang {
             Language::Js => wrap_js(code),
             Language::Ts => wrap_ts(code),
             Language::Py => wrap_py(code),
-            _ => {
-                return Err(AppError::BadRequest(
-                    "code mode runs js, ts or py".to_string(),
-                ))
-            }
+            _ => return Err(Error::BadRequest("code mode runs js, ts or py".to_string())),
         };
         let mut specs = self.specs().await;
         specs.push(ToolSpec {
@@ -332,14 +327,12 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             cancel: Some(cancel),
         };
         // A task of its own: the session's turn is released even if the caller goes away.
-        let output = tokio::spawn(async move { broker.exec(session, input, hooks).await })
-            .await
-            .map_err(|e| AppError::internal(format!("exec task failed: {e}")))??;
+        let output = broker.spawn_exec(session, input, hooks).await?;
         server.abort();
         // The exec is over and its sender gone: the collector ends at once.
         let chunks = collector
             .await
-            .map_err(|e| AppError::internal(format!("output collector failed: {e}")))?;
+            .map_err(|e| Error::internal(format!("output collector failed: {e}")))?;
         let logs = log_lines(&chunks);
         let report = reported.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut result = Value::Null;
@@ -352,15 +345,15 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
                 .map(str::to_string);
         }
         if error.is_none() {
-            if !output.limits.is_empty() {
-                let messages: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
-                error = Some(messages.join("; "));
-            } else if output.exit_code != Some(0) {
-                error = Some(match output.exit_code {
-                    Some(code) => format!("The code failed (exit code {code})"),
-                    None => "The code was stopped".to_string(),
-                });
-            }
+            error = match output.verdict() {
+                Verdict::Ok => None,
+                Verdict::Limit(limits) => {
+                    let messages: Vec<&str> = limits.iter().map(|l| l.message()).collect();
+                    Some(messages.join("; "))
+                }
+                Verdict::Failed(code) => Some(format!("The code failed (exit code {code})")),
+                Verdict::Stopped => Some("The code was stopped".to_string()),
+            };
         }
         Ok(Outcome {
             result,

@@ -1,0 +1,156 @@
+//! Watching one exec for the operators. Each observer is told how the exec ended: the
+//! metrics count it and time it, and the audit log records who ran what.
+
+use crate::audit::Audit;
+use crate::core::{ExecInput, ExecOutput};
+use crate::metrics::{limit_kind, Metrics};
+use crate::session::Session;
+use serde_json::json;
+use std::time::Instant;
+
+/// What watches execs: told once how each ended.
+trait ExecObserver {
+    /// The exec ended with `output` after `seconds`.
+    fn finished(&mut self, seconds: f64, output: &ExecOutput);
+    /// The exec ended without an output (it failed before it had one, or was cancelled).
+    fn failed(&mut self, seconds: f64);
+}
+
+/// Counts execs by language and outcome, with their latency and the limits hit.
+struct MetricsObserver<'a> {
+    /// Where the counts go.
+    metrics: &'a Metrics,
+    /// The language's short name.
+    lang: &'static str,
+}
+
+impl ExecObserver for MetricsObserver<'_> {
+    fn finished(&mut self, seconds: f64, output: &ExecOutput) {
+        let outcome = output.verdict().outcome();
+        self.metrics
+            .exec(self.lang, outcome, seconds, &output.limits);
+    }
+
+    fn failed(&mut self, seconds: f64) {
+        self.metrics.exec(self.lang, "error", seconds, &[]);
+    }
+}
+
+/// Writes one `exec` record to the audit log.
+struct AuditObserver<'a> {
+    /// Where the record goes.
+    audit: &'a Audit,
+    /// The record's fields known at the start (user, session, code hash, inputs).
+    record: serde_json::Value,
+}
+
+impl AuditObserver<'_> {
+    /// Adds what the end tells and writes the record.
+    fn write(
+        &mut self,
+        duration_ms: u64,
+        exit_code: Option<i32>,
+        outcome: &str,
+        output: Option<&ExecOutput>,
+    ) {
+        let mut record = std::mem::take(&mut self.record);
+        record["duration_ms"] = json!(duration_ms);
+        record["exit_code"] = json!(exit_code);
+        record["outcome"] = json!(outcome);
+        record["limits"] = json!(output.map_or_else(Vec::new, |o| o
+            .limits
+            .iter()
+            .map(|l| limit_kind(*l))
+            .collect::<Vec<_>>()));
+        record["files_out"] = json!(output.map_or_else(Vec::new, |o| o
+            .files
+            .iter()
+            .map(|f| json!({ "id": f.id, "name": f.name }))
+            .collect::<Vec<_>>()));
+        self.audit.record("exec", record);
+    }
+}
+
+impl ExecObserver for AuditObserver<'_> {
+    fn finished(&mut self, seconds: f64, output: &ExecOutput) {
+        let duration_ms = output.duration_ms.max((seconds * 1000.0) as u64);
+        let outcome = output.verdict().outcome();
+        self.write(duration_ms, output.exit_code, outcome, Some(output));
+    }
+
+    fn failed(&mut self, seconds: f64) {
+        self.write((seconds * 1000.0) as u64, None, "failed", None);
+    }
+}
+
+/// One exec being watched: made when it starts, finished with its output. Dropped
+/// unfinished (the exec failed before it had an output, or was cancelled), it is counted
+/// as an `error` and audited without an exit code.
+pub(crate) struct ExecObservation<'a> {
+    /// When the exec started, for its latency.
+    started: Instant,
+    /// Who is told how it ended, in this order.
+    observers: Vec<Box<dyn ExecObserver + Send + 'a>>,
+    /// Set once finished, so the drop does not tell them again.
+    done: bool,
+}
+
+impl<'a> ExecObservation<'a> {
+    /// Starts watching an exec of `input` in `session`.
+    pub(crate) fn start(
+        metrics: &'a Metrics,
+        audit: &'a Audit,
+        session: &Session,
+        input: &ExecInput,
+    ) -> ExecObservation<'a> {
+        let mut observers: Vec<Box<dyn ExecObserver + Send + 'a>> =
+            vec![Box::new(MetricsObserver {
+                metrics,
+                lang: input.lang.as_str(),
+            })];
+        if audit.enabled() {
+            let files_in: Vec<_> = input
+                .files
+                .iter()
+                .map(|f| json!({ "id": f.id, "name": f.name, "session_id": f.session_id }))
+                .collect();
+            let mut record = json!({
+                "user": session.meta.user,
+                "session": session.id(),
+                "language": input.lang.as_str(),
+                "code_sha256": crate::audit::sha256_hex(input.code.as_bytes()),
+                "files_in": files_in,
+            });
+            if audit.include_code() {
+                record["code"] = json!(input.code);
+            }
+            observers.push(Box::new(AuditObserver { audit, record }));
+        }
+        ExecObservation {
+            started: Instant::now(),
+            observers,
+            done: false,
+        }
+    }
+
+    /// Tells the observers the exec's output.
+    pub(crate) fn finish(mut self, output: &ExecOutput) {
+        self.done = true;
+        let seconds = self.started.elapsed().as_secs_f64();
+        for observer in &mut self.observers {
+            observer.finished(seconds, output);
+        }
+    }
+}
+
+impl Drop for ExecObservation<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let seconds = self.started.elapsed().as_secs_f64();
+        for observer in &mut self.observers {
+            observer.failed(seconds);
+        }
+    }
+}

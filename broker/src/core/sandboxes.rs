@@ -1,0 +1,340 @@
+//! The sandboxes behind the sessions: one for an exec (from the pool or new), discarding
+//! broken ones, re-attaching after a restart, evicting idle ones, and the shutdown.
+
+use crate::clock::now_ms;
+use crate::core::error::{Error, Result};
+use crate::core::Broker;
+use crate::ids::is_valid_id;
+use crate::sandbox::{docker::short, Sandbox};
+use crate::session::evict::{self, Reason};
+use crate::session::registry::META_FILE;
+use crate::session::Session;
+use crate::workspace::Workspace;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where a session records the pooled container it was handed (see
+/// [`Broker::sandbox_from_pool`]).
+const POOLED_SANDBOX_FILE: &str = "pooled-sandbox.json";
+
+/// The container a session was handed from the pool.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PooledSandbox {
+    /// Docker's id of the container, whose session label is the pooled id.
+    container_id: String,
+}
+
+impl Broker {
+    /// The session's live sandbox, or a new one on its workspace.
+    pub(crate) async fn sandbox_for(&self, session: &Arc<Session>) -> Result<Arc<Sandbox>> {
+        if let Some(sandbox) = session.sandbox() {
+            if sandbox.is_alive() {
+                return Ok(sandbox);
+            }
+            self.discard_sandbox(session, &sandbox).await;
+        }
+        self.make_room(session.meta.user.as_deref());
+        let _slot = self
+            .limits
+            .container_slot(&self.registry, session.meta.user.as_deref())?;
+        let files_dir = session.workspace.files_dir();
+        // Also brings a workspace of an older version to today's owners and modes.
+        session
+            .workspace
+            .create(self.config.sandbox_uid)
+            .map_err(|e| Error::internal(format!("cannot recreate workspace: {e}")))?;
+        if let Some(sandbox) = self.sandbox_from_pool(session).await {
+            return Ok(sandbox);
+        }
+        let cold = self.pool.cold_start();
+        let created = self.docker.create(session.id(), &files_dir, false).await;
+        drop(cold);
+        let sandbox = created.map_err(|e| {
+            tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
+            Error::Unavailable("cannot start a sandbox right now; try again".into())
+        })?;
+        let sandbox = Arc::new(sandbox);
+        session.set_sandbox(Some(sandbox.clone()));
+        Ok(sandbox)
+    }
+
+    /// A pooled sandbox for a session that has files but no live sandbox (made by an
+    /// upload, or whose container went idle): the pooled workspace's mounted directory
+    /// takes the place of the session's, with the session's files moved into it. `None`
+    /// when the pool is empty or the move fails (the caller then starts a container).
+    pub(crate) async fn sandbox_from_pool(&self, session: &Arc<Session>) -> Option<Arc<Sandbox>> {
+        let pooled = self.pool.take()?;
+        let ours = session.workspace.clone();
+        let theirs = pooled.workspace.clone();
+        let moved = tokio::task::spawn_blocking(move || ours.take_files_dir_of(&theirs)).await;
+        match moved {
+            Ok(Ok(())) => {}
+            failed => {
+                tracing::warn!(session = session.id(), result = ?failed, "cannot hand a pooled sandbox to a session");
+                self.pool.discard(pooled);
+                return None;
+            }
+        }
+        // The container's session label names the pooled id; this record lets a restarted
+        // broker re-attach the container to this session.
+        let record = PooledSandbox {
+            container_id: pooled.sandbox.container_id.clone(),
+        };
+        if let Err(err) = session.workspace.save_meta(POOLED_SANDBOX_FILE, &record) {
+            tracing::warn!(session = session.id(), error = %err, "cannot record the pooled sandbox");
+        }
+        self.audit.record(
+            "sandbox_from_pool",
+            serde_json::json!({
+                "user": session.meta.user,
+                "session": session.id(),
+                "container": short(&record.container_id),
+            }),
+        );
+        session.set_sandbox(Some(pooled.sandbox.clone()));
+        Some(pooled.sandbox)
+    }
+
+    /// Drops a broken sandbox and removes its container.
+    pub(crate) async fn discard_sandbox(&self, session: &Session, sandbox: &Arc<Sandbox>) {
+        sandbox.close("discarded");
+        if let Some(current) = session.sandbox() {
+            if Arc::ptr_eq(&current, sandbox) {
+                session.set_sandbox(None);
+            }
+        }
+        self.docker.remove(&sandbox.container_id).await;
+    }
+
+    /// At start-up: re-attach to this instance's running session containers, remove the
+    /// rest (stopped ones, pool leftovers, sessions that no longer exist).
+    pub(crate) async fn reconcile(&self) -> anyhow::Result<()> {
+        let loaded = self.registry.load_all()?;
+        // Pooled containers handed to an existing session carry the pooled id as label.
+        let handed: HashMap<String, Arc<Session>> = self
+            .registry
+            .all()
+            .into_iter()
+            .filter_map(|s| {
+                let record: PooledSandbox = s.workspace.load_meta(POOLED_SANDBOX_FILE).ok()?;
+                Some((record.container_id, s))
+            })
+            .collect();
+        let mut adopted = 0;
+        let mut removed = 0;
+        for container in self.docker.list_own().await? {
+            let session = container
+                .session
+                .as_deref()
+                .and_then(|id| self.registry.get(id))
+                .or_else(|| handed.get(&container.id).cloned());
+            match session {
+                Some(session) if container.running && session.sandbox().is_none() => {
+                    match self.docker.adopt(&container.id).await {
+                        Ok(sandbox) => {
+                            session.set_sandbox(Some(Arc::new(sandbox)));
+                            adopted += 1;
+                            continue;
+                        }
+                        Err(err) => {
+                            tracing::warn!(container = %short(&container.id), error = ?err, "cannot re-attach; removing")
+                        }
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    // A pooled sandbox never handed out: its workspace has no session file.
+                    if let Some(id) = container.session.as_deref().filter(|id| is_valid_id(id)) {
+                        let ws = Workspace::new(&self.config.data_dir, id);
+                        if !ws.root().join(META_FILE).exists() {
+                            let _ = std::fs::remove_dir_all(ws.root());
+                        }
+                    }
+                }
+            }
+            self.docker.remove(&container.id).await;
+            removed += 1;
+        }
+        tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
+        Ok(())
+    }
+
+    /// The eviction rules of the configuration. Idle containers go before a cap that
+    /// refuses (CODEBROKER_MAX_CONTAINERS, the per-user cap) is reached, so that only
+    /// running code is ever refused room.
+    pub(crate) fn evict_policy(&self) -> evict::Policy {
+        let lowest = |a: usize, b: usize| match (a, b) {
+            (0, n) | (n, 0) => n,
+            (a, b) => a.min(b),
+        };
+        evict::Policy {
+            idle_ttl_ms: self.config.idle_ttl_secs.saturating_mul(1000),
+            single_use_ttl_ms: self.config.single_use_ttl_secs.saturating_mul(1000),
+            max_live: lowest(self.config.max_live_sandboxes, self.limits.max_containers()),
+            max_per_user: self.limits.max_sessions_per_user(),
+        }
+    }
+
+    /// Sessions holding a live sandbox, with what the eviction rules look at.
+    pub(crate) fn live_sessions(&self) -> (Vec<Arc<Session>>, Vec<evict::Live>) {
+        let sessions: Vec<Arc<Session>> = self
+            .registry
+            .all()
+            .into_iter()
+            .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
+            .collect();
+        let live = sessions
+            .iter()
+            .map(|s| evict::Live {
+                last_used_ms: s.last_used_ms(),
+                execs: s.exec_count(),
+                busy: s.is_busy(),
+                uses: s.uses(),
+                user: s.meta.user.clone(),
+            })
+            .collect();
+        (sessions, live)
+    }
+
+    /// How many session sandboxes are alive now (the pool not counted).
+    pub(crate) fn live_sandboxes(&self) -> usize {
+        self.live_sessions().0.len()
+    }
+
+    /// Before one more session sandbox starts for `user`: removes the least recently
+    /// used idle ones over the caps (and any past a TTL). The removal itself runs in the
+    /// background, so the new session does not wait for the engine.
+    pub(crate) fn make_room(&self, user: Option<&str>) {
+        let (sessions, live) = self.live_sessions();
+        // Containers still starting for other requests hold no session sandbox yet, but
+        // will: counted, so concurrent starts do not overshoot the cap.
+        let room = evict::Room {
+            total: 1 + self.pool.cold_starts(),
+            user: Some(user),
+        };
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
+            self.evict_detached(&sessions[i], reason, live[i].uses);
+        }
+    }
+
+    /// Takes the sandbox away from an idle session and removes its container in the
+    /// background; a session that became busy meanwhile keeps it.
+    pub(crate) fn evict_detached(
+        &self,
+        session: &Arc<Session>,
+        reason: Reason,
+        seen_uses: u64,
+    ) -> bool {
+        // Used since the snapshot that chose it: no longer the least recently used.
+        let Some(_turn) = session.claim_unused_since(seen_uses) else {
+            return false;
+        };
+        let Some(sandbox) = session.set_sandbox(None) else {
+            return false;
+        };
+        self.record_eviction(session, reason);
+        sandbox.close("evicted");
+        let docker = self.docker.clone();
+        tokio::spawn(async move { docker.remove(&sandbox.container_id).await });
+        true
+    }
+
+    pub(crate) fn record_eviction(&self, session: &Session, reason: Reason) {
+        tracing::debug!(
+            session = session.id(),
+            reason = reason.as_str(),
+            "removing a session sandbox"
+        );
+        self.metrics.sandbox_removed(reason.as_str());
+        let expired = serde_json::json!({
+            "user": session.meta.user,
+            "session": session.id(),
+            "idle": matches!(reason, Reason::Idle | Reason::SingleUse),
+            "reason": reason.as_str(),
+        });
+        self.audit.record("session_expire", expired);
+    }
+
+    /// Removes containers past a TTL or over the cap (their files stay), and dead ones.
+    pub(crate) async fn reap_idle(&self) {
+        for session in self.registry.all() {
+            let Some(sandbox) = session.sandbox() else {
+                continue;
+            };
+            if sandbox.is_alive() {
+                continue;
+            }
+            // An exec in progress finds out by itself.
+            let Some(_turn) = session.try_acquire() else {
+                continue;
+            };
+            tracing::debug!(session = session.id(), "removing a dead sandbox");
+            self.discard_sandbox(&session, &sandbox).await;
+        }
+        let (sessions, live) = self.live_sessions();
+        let room = evict::Room::default();
+        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
+            let session = &sessions[i];
+            // An exec that took the turn since the snapshot marked the session used: its
+            // sandbox stays.
+            let Some(_turn) = session.claim_unused_since(live[i].uses) else {
+                continue;
+            };
+            let Some(sandbox) = session.sandbox() else {
+                continue;
+            };
+            self.record_eviction(session, reason);
+            self.discard_sandbox(session, &sandbox).await;
+        }
+    }
+
+    /// On shutdown: drain the pool; leave session containers for the next start to
+    /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
+    pub(crate) async fn shutdown(&self) {
+        self.pool.drain(&self.docker).await;
+        let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
+        let mut count = 0;
+        for session in self.registry.all() {
+            if !remove {
+                count += usize::from(session.sandbox().is_some());
+                continue;
+            }
+            if let Some(sandbox) = session.set_sandbox(None) {
+                sandbox.close("shutdown");
+                self.docker.remove(&sandbox.container_id).await;
+                count += 1;
+            }
+        }
+        if remove {
+            self.await_no_containers().await;
+            tracing::info!(removed = count, "removed session containers");
+        } else {
+            tracing::info!(kept = count, "session containers left for the next start");
+        }
+    }
+
+    /// Waits (a few seconds at most) until the engine lists none of this instance's
+    /// containers: an exec abandoned at the end of the shutdown grace may be removing its
+    /// own sandbox at the same moment, and the engine answers the second removal with a
+    /// 409 while the first is still under way.
+    async fn await_no_containers(&self) {
+        for round in 0..50 {
+            match self.docker.list_own().await {
+                Ok(left) if left.is_empty() => return,
+                Ok(left) if round % 10 == 9 => {
+                    for container in left {
+                        self.docker.remove(&container.id).await;
+                    }
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot list containers");
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tracing::warn!("session containers are still being removed");
+    }
+}

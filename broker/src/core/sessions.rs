@@ -1,0 +1,232 @@
+//! Choosing the session an exec runs in, and making new sessions.
+
+use crate::clock::now_ms;
+use crate::core::error::{Error, Result};
+use crate::core::{Broker, InputFile};
+use crate::ids::{is_valid_id, new_id};
+use crate::session::{Session, SessionMeta};
+use crate::workspace::{FileRecord, Workspace};
+use std::sync::Arc;
+
+/// How the caller wants a session chosen (API.md, POST /exec).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SessionChoice {
+    /// The end user the caller names.
+    pub(crate) user: Option<String>,
+    /// An explicit session id.
+    pub(crate) session_id: Option<String>,
+    /// A runtime session the client saw earlier.
+    pub(crate) runtime_session_hint: Option<String>,
+    /// A LibreChat agent or assistant id.
+    pub(crate) entity_id: Option<String>,
+}
+
+impl Broker {
+    /// Finds the session an exec should run in, or makes a new one. Its input refs are
+    /// authorised here, against the caller: a ref into a session the caller may not see is
+    /// a 403 whichever session the exec runs in.
+    pub(crate) async fn choose_session(
+        &self,
+        choice: &SessionChoice,
+        files: &[InputFile],
+    ) -> Result<Arc<Session>> {
+        let user = choice.user.as_deref();
+        self.authorize_refs(user, files)?;
+        let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(user));
+        if let Some(id) = choice.session_id.as_deref().filter(|s| !s.is_empty()) {
+            if !is_valid_id(id) {
+                return Err(Error::BadRequest(format!("invalid session_id: {id:?}")));
+            }
+            // An unknown (expired, or another user's) session id gets a new session;
+            // the response names it.
+            if let Some(s) = visible(id) {
+                return Ok(s);
+            }
+        } else if let Some(s) = choice
+            .runtime_session_hint
+            .as_deref()
+            .filter(|h| !h.is_empty())
+            .and_then(|h| {
+                // A hint is the client's own key (a conversation id); it may also be one
+                // of our session ids.
+                visible(h).or_else(|| {
+                    self.registry
+                        .by_hint(user, h)
+                        .filter(|s| s.visible_to(user))
+                })
+            })
+        {
+            return Ok(s);
+        } else if let Some(s) = self.session_of_refs(user, files)? {
+            return Ok(s);
+        } else if let Some(s) = choice
+            .entity_id
+            .as_deref()
+            .filter(|e| !e.is_empty())
+            .and_then(|e| self.registry.by_entity(user, e))
+            .filter(|s| s.visible_to(user))
+        {
+            return Ok(s);
+        }
+        let hint = choice
+            .runtime_session_hint
+            .as_deref()
+            .filter(|h| !h.is_empty() && !is_valid_id(h));
+        self.new_session_with(user, choice.entity_id.as_deref(), hint, true)
+            .await
+    }
+
+    /// Refuses refs to files of sessions `user` may not see. Unknown sessions pass: the
+    /// exec runs and names the missing input.
+    pub(crate) fn authorize_refs(&self, user: Option<&str>, files: &[InputFile]) -> Result<()> {
+        let foreign = files.iter().any(|f| {
+            !f.session_id.is_empty()
+                && self
+                    .registry
+                    .get(&f.session_id)
+                    .is_some_and(|s| !s.visible_to(user))
+        });
+        if foreign {
+            return Err(Error::Forbidden(
+                "an input file belongs to another user".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The one session every input ref belongs to, when there is one.
+    pub(crate) fn session_of_refs(
+        &self,
+        user: Option<&str>,
+        files: &[InputFile],
+    ) -> Result<Option<Arc<Session>>> {
+        let Some(first) = files.first() else {
+            return Ok(None);
+        };
+        if files.iter().any(|f| f.session_id != first.session_id) {
+            return Ok(None);
+        }
+        match self.registry.get(&first.session_id) {
+            Some(s) if s.visible_to(user) => Ok(Some(s)),
+            Some(_) => Err(Error::Forbidden(
+                "an input file belongs to another user".into(),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// A new session: a pooled sandbox when one is ready (and `for_exec`: an upload
+    /// session needs none), else an empty workspace whose sandbox starts at the first exec.
+    pub(crate) async fn new_session(
+        &self,
+        user: Option<&str>,
+        entity_id: Option<&str>,
+        for_exec: bool,
+    ) -> Result<Arc<Session>> {
+        self.new_session_with(user, entity_id, None, for_exec).await
+    }
+
+    /// [`Broker::new_session`], also remembering the client's `runtime_session_hint`.
+    pub(crate) async fn new_session_with(
+        &self,
+        user: Option<&str>,
+        entity_id: Option<&str>,
+        hint: Option<&str>,
+        for_exec: bool,
+    ) -> Result<Arc<Session>> {
+        crate::core::diskspace::check_room_for_new_session(
+            &self.config.data_dir,
+            self.config.min_free_disk,
+        )?;
+        if for_exec {
+            self.make_room(user);
+        } else {
+            // A session made by an upload holds no container, but a directory and a
+            // registry entry until its files expire: it costs one of the user's execs.
+            self.limits.check_exec(user)?;
+        }
+        // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
+        let _slot = for_exec
+            .then(|| self.limits.container_slot(&self.registry, user))
+            .transpose()?;
+        // A miss is counted as demand once, when the first exec takes from the pool again.
+        let pooled = if for_exec {
+            self.pool.take_if_ready()
+        } else {
+            None
+        };
+        let (id, workspace) = match &pooled {
+            Some(p) => (p.session_id.clone(), p.workspace.clone()),
+            None => {
+                let id = new_id();
+                let ws = Workspace::new(&self.config.data_dir, &id);
+                ws.create(self.config.sandbox_uid)
+                    .map_err(|e| Error::internal(format!("cannot create workspace: {e}")))?;
+                (id, ws)
+            }
+        };
+        let meta = SessionMeta {
+            id,
+            user: user.map(str::to_string),
+            entity_id: entity_id.filter(|e| !e.is_empty()).map(str::to_string),
+            runtime_hint: hint.map(str::to_string),
+            created_ms: now_ms(),
+        };
+        let session = self
+            .registry
+            .insert_new(meta, workspace)
+            .map_err(|e| Error::internal(format!("cannot save session: {e}")))?;
+        let created = serde_json::json!({
+            "user": user,
+            "session": session.id(),
+            "entity_id": entity_id,
+            "pooled": pooled.is_some(),
+        });
+        self.audit.record("session_create", created);
+        if let Some(p) = pooled {
+            session.set_sandbox(Some(p.sandbox));
+        }
+        Ok(session)
+    }
+}
+
+impl Broker {
+    /// The session `session_id` as `user` sees it: the id's shape checked (bad request),
+    /// then found and visible to `user` (not found otherwise, so other users' sessions
+    /// cannot be probed).
+    pub(crate) fn visible_session(
+        &self,
+        user: Option<&str>,
+        session_id: &str,
+    ) -> Result<Arc<Session>> {
+        if !is_valid_id(session_id) {
+            return Err(Error::BadRequest(format!(
+                "invalid session id: {session_id:?}"
+            )));
+        }
+        self.registry
+            .get(session_id)
+            .filter(|s| s.visible_to(user))
+            .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))
+    }
+
+    /// The live (not expired) record of `file_id` in a session `user` may see.
+    pub(crate) fn visible_record(
+        &self,
+        user: Option<&str>,
+        session_id: &str,
+        file_id: &str,
+    ) -> Result<(Arc<Session>, FileRecord)> {
+        if !is_valid_id(file_id) {
+            return Err(Error::BadRequest(format!("invalid file id: {file_id:?}")));
+        }
+        let session = self.visible_session(user, session_id)?;
+        let record = session
+            .index()
+            .get(file_id)
+            .cloned()
+            .filter(|r| !self.is_expired(r))
+            .ok_or_else(|| Error::NotFound(format!("file {file_id} not found")))?;
+        Ok((session, record))
+    }
+}

@@ -1,0 +1,339 @@
+//! `POST /upload` and `POST /upload/batch`: multipart files streamed to staging, then
+//! stored in a session.
+
+use crate::core::files::{StagedFile, UploadOptions};
+use crate::core::Broker;
+use crate::http::auth::Caller;
+use crate::http::error::{AppError, AppResult};
+use crate::http::AppState;
+use crate::ids::{is_valid_id, new_id};
+use crate::session::Session;
+use crate::workspace::FileRecord;
+use axum::extract::{Multipart, State};
+use axum::Json;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+
+/// Most files one upload request may carry.
+const MAX_FILES_PER_UPLOAD: usize = 100;
+
+/// Largest non-file form field (`session_id`, `entity_id`, `kind`, ...): they hold ids and
+/// short words, and are kept in memory.
+const MAX_TEXT_FIELD_BYTES: usize = 8 * 1024;
+
+/// Most non-file form fields one upload may carry.
+const MAX_TEXT_FIELDS: usize = 64;
+
+/// What a multipart upload carried.
+struct UploadForm {
+    /// Files staged on disk, in order.
+    staged: Vec<StagedFile>,
+    /// Files refused, with the reason (batch uploads report them per file).
+    refused: Vec<(String, AppError)>,
+    /// The text fields.
+    fields: HashMap<String, String>,
+}
+
+/// Removes staged files that never reached a session.
+struct StagingGuard(Vec<PathBuf>);
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Reads the multipart body, streaming each file into the staging area. With `strict`,
+/// the first bad file fails the request; without, it is listed in `refused`.
+async fn read_form(
+    broker: &Broker,
+    mut multipart: Multipart,
+    strict: bool,
+) -> AppResult<(UploadForm, StagingGuard)> {
+    let mut form = UploadForm {
+        staged: Vec::new(),
+        refused: Vec::new(),
+        fields: HashMap::new(),
+    };
+    let mut guard = StagingGuard(Vec::new());
+    let staging = broker.staging_dir();
+    tokio::fs::create_dir_all(&staging)
+        .await
+        .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
+    let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+    let mut text_fields = 0usize;
+    while let Some(mut field) = multipart
+        .next_field()
+        .await
+        .map_err(|e| AppError::BadRequest(format!("malformed multipart body: {e}")))?
+    {
+        let field_name = field.name().unwrap_or("").to_string();
+        let Some(file_name) = field.file_name().map(str::to_string) else {
+            text_fields += 1;
+            if text_fields > MAX_TEXT_FIELDS {
+                return Err(AppError::BadRequest(format!(
+                    "at most {MAX_TEXT_FIELDS} form fields besides files per upload"
+                )));
+            }
+            let text = read_text_field(&mut field, &field_name).await?;
+            form.fields.insert(field_name, text);
+            continue;
+        };
+        if form.staged.len() + form.refused.len() >= MAX_FILES_PER_UPLOAD {
+            return Err(AppError::BadRequest(format!(
+                "at most {MAX_FILES_PER_UPLOAD} files per upload"
+            )));
+        }
+        let name = match Broker::check_upload_name(&file_name) {
+            Ok(n) => n,
+            Err(err) if strict => return Err(err.into()),
+            Err(err) => {
+                form.refused.push((file_name, err.into()));
+                continue;
+            }
+        };
+        let temp = staging.join(new_id());
+        guard.0.push(temp.clone());
+        let mut out = tokio::fs::File::create(&temp)
+            .await
+            .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        let mut too_large = false;
+        while let Some(chunk) = field
+            .chunk()
+            .await
+            .map_err(|e| AppError::BadRequest(format!("upload interrupted: {e}")))?
+        {
+            size += chunk.len() as u64;
+            if size > max_bytes {
+                too_large = true;
+                break;
+            }
+            hasher.update(&chunk);
+            out.write_all(&chunk)
+                .await
+                .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        }
+        out.flush()
+            .await
+            .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
+        if too_large {
+            let err = AppError::PayloadTooLarge(format!(
+                "{file_name} is larger than the upload limit of {} MiB",
+                broker.config.max_upload_mb
+            ));
+            if strict {
+                return Err(err);
+            }
+            // Skip the rest of this part so the next one can be read.
+            while let Ok(Some(_)) = field.chunk().await {}
+            form.refused.push((file_name, err));
+            continue;
+        }
+        form.staged.push(StagedFile {
+            name,
+            temp,
+            sha256: hex::encode(hasher.finalize()),
+            size,
+        });
+    }
+    Ok((form, guard))
+}
+
+/// A non-file form field as text, read chunk by chunk and refused (413) past
+/// [`MAX_TEXT_FIELD_BYTES`] without reading the rest.
+async fn read_text_field(
+    field: &mut axum::extract::multipart::Field<'_>,
+    name: &str,
+) -> AppResult<String> {
+    let mut bytes = Vec::new();
+    while let Some(chunk) = field
+        .chunk()
+        .await
+        .map_err(|e| AppError::BadRequest(format!("malformed form field {name:?}: {e}")))?
+    {
+        if bytes.len() + chunk.len() > MAX_TEXT_FIELD_BYTES {
+            return Err(AppError::PayloadTooLarge(format!(
+                "form field {name:?} is over {} KiB",
+                MAX_TEXT_FIELD_BYTES / 1024
+            )));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| AppError::BadRequest(format!("form field {name:?} is not UTF-8")))
+}
+
+/// The session an upload goes to: `session_id` when visible, else the session of
+/// `entity_id`, else a new one (with no sandbox until code runs in it).
+async fn upload_session(
+    state: &AppState,
+    user: Option<&str>,
+    fields: &HashMap<String, String>,
+) -> AppResult<Arc<Session>> {
+    let broker = &state.broker;
+    let field = |k: &str| fields.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    if let Some(id) = field("session_id").or(field("storage_session_id")) {
+        if !is_valid_id(id) {
+            return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+        }
+        if let Some(s) = broker.registry.get(id).filter(|s| s.visible_to(user)) {
+            return Ok(s);
+        }
+    }
+    if let Some(entity) = field("entity_id") {
+        if let Some(s) = broker
+            .registry
+            .by_entity(user, entity)
+            .filter(|s| s.visible_to(user))
+        {
+            return Ok(s);
+        }
+    }
+    Ok(broker.new_session(user, field("entity_id"), false).await?)
+}
+
+fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
+    let read_only = fields
+        .get("read_only")
+        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
+        .unwrap_or(false);
+    UploadOptions {
+        read_only,
+        kind: fields
+            .get("kind")
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty()),
+    }
+}
+
+/// Uploads one file (multipart field `file`) to a session.
+#[utoipa::path(
+    post,
+    path = "/upload",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body(content_type = "multipart/form-data", content = crate::http::openapi::UploadFormDoc),
+    responses(
+        (status = 200, description = "`{message, session_id, storage_session_id, files[{fileId, filename, id, size}]}`", content_type = "application/json"),
+        (status = 400, description = "No file, or a bad name", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "Larger than CODEBROKER_MAX_UPLOAD_MB", body = crate::http::openapi::ErrorBody),
+    )
+)]
+pub(super) async fn upload(
+    State(state): State<AppState>,
+    caller: Caller,
+    multipart: Multipart,
+) -> AppResult<Json<Value>> {
+    let (mut form, guard) = read_form(&state.broker, multipart, true).await?;
+    if form.staged.is_empty() {
+        return Err(AppError::BadRequest(
+            "no file in the upload: send multipart field `file`".into(),
+        ));
+    }
+    let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
+    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let staged = std::mem::take(&mut form.staged);
+    let records = state
+        .broker
+        .store_uploads(&session, staged, upload_options(&form.fields))
+        .await?;
+    drop(guard);
+    observe_upload(&state, user.as_deref(), &session, &records);
+    let files: Vec<Value> = records
+        .iter()
+        .map(|r| json!({ "fileId": r.id, "filename": r.name, "id": r.id, "size": r.size }))
+        .collect();
+    Ok(Json(json!({
+        "message": "success",
+        "session_id": session.id(),
+        "storage_session_id": session.id(),
+        "files": files,
+    })))
+}
+
+/// Uploads several files (multipart fields `file`); bad ones are reported per file.
+#[utoipa::path(
+    post,
+    path = "/upload/batch",
+    tag = "files",
+    security(("api_key" = []), ("bearer" = [])),
+    request_body(content_type = "multipart/form-data", content = crate::http::openapi::UploadFormDoc),
+    responses(
+        (status = 200, description = "`{message: success | partial_success | error, session_id, files[{status, fileId?, filename, error?}], succeeded, failed}`", content_type = "application/json"),
+        (status = 400, description = "No file in the upload", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+    )
+)]
+pub(super) async fn upload_batch(
+    State(state): State<AppState>,
+    caller: Caller,
+    multipart: Multipart,
+) -> AppResult<Json<Value>> {
+    let (mut form, guard) = read_form(&state.broker, multipart, false).await?;
+    if form.staged.is_empty() && form.refused.is_empty() {
+        return Err(AppError::BadRequest(
+            "no file in the upload: send multipart fields `file`".into(),
+        ));
+    }
+    let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
+    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let staged = std::mem::take(&mut form.staged);
+    let records = if staged.is_empty() {
+        Vec::new()
+    } else {
+        state
+            .broker
+            .store_uploads(&session, staged, upload_options(&form.fields))
+            .await?
+    };
+    drop(guard);
+    observe_upload(&state, user.as_deref(), &session, &records);
+    let mut files: Vec<Value> = records
+        .iter()
+        .map(|r| json!({ "status": "success", "fileId": r.id, "filename": r.name, "size": r.size }))
+        .collect();
+    files.extend(form.refused.iter().map(
+        |(name, err)| json!({ "status": "error", "filename": name, "error": err.to_string() }),
+    ));
+    let (succeeded, failed) = (records.len(), form.refused.len());
+    let message = match (succeeded, failed) {
+        (_, 0) => "success",
+        (0, _) => "error",
+        _ => "partial_success",
+    };
+    Ok(Json(json!({
+        "message": message,
+        "session_id": session.id(),
+        "storage_session_id": session.id(),
+        "files": files,
+        "succeeded": succeeded,
+        "failed": failed,
+    })))
+}
+
+/// Counts an upload's bytes and audits it.
+fn observe_upload(state: &AppState, user: Option<&str>, session: &Session, records: &[FileRecord]) {
+    let bytes: u64 = records.iter().map(|r| r.size).sum();
+    state.broker.metrics.uploaded(bytes);
+    state.broker.audit.record(
+        "upload",
+        json!({
+            "user": user,
+            "session": session.id(),
+            "bytes": bytes,
+            "files": records
+                .iter()
+                .map(|r| json!({ "id": r.id, "name": r.name, "size": r.size }))
+                .collect::<Vec<_>>(),
+        }),
+    );
+}

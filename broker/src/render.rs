@@ -1,0 +1,322 @@
+//! What a model or a client reads of an exec and its files, in every front end's shape:
+//! the `/exec` JSON answer, LobeChat's markdown, MCP's content blocks, download links and
+//! MIME types. `http/` and `mcp/` both render through here.
+
+use crate::core::{Error, ExecOutput};
+use crate::session::Session;
+use crate::workspace::FileRecord;
+use base64::Engine as _;
+use rmcp::model::{CallToolResult, ContentBlock};
+use sandbox_runner::RuntimeStatus;
+use serde_json::{json, Value};
+
+/// Largest image sent inline as an `image` block; larger ones are links.
+pub(crate) const MAX_INLINE_IMAGE_BYTES: u64 = 5 * 1024 * 1024;
+
+/// The `/exec` response of API.md.
+pub(crate) fn output_json(output: &ExecOutput) -> Value {
+    let files: Vec<Value> = output
+        .files
+        .iter()
+        .map(|f| {
+            let mut file = json!({
+                "id": f.id,
+                "name": f.name,
+                "path": format!("/mnt/data/{}", f.name),
+                "storage_session_id": output.session_id,
+                "session_id": output.session_id,
+                "size": f.size,
+            });
+            if let Some(previous) = &f.modified_from {
+                file["modified_from"] = json!(previous);
+            }
+            file
+        })
+        .collect();
+    json!({
+        "session_id": output.session_id,
+        "stdout": output.stdout,
+        "stderr": output.stderr,
+        "files": files,
+        "runtime_session_id": output.session_id,
+        "runtime_status": match output.runtime_status {
+            RuntimeStatus::New => "new",
+            RuntimeStatus::Reused => "reused",
+        },
+        "exit_code": output.exit_code,
+        "duration_ms": output.duration_ms,
+        "limits": output.limits.iter().map(|l| l.message()).collect::<Vec<_>>(),
+    })
+}
+
+/// The absolute URL a file version downloads from.
+pub(crate) fn download_url(public_url: &str, session_id: &str, file_id: &str) -> String {
+    format!(
+        "{}/download/{session_id}/{file_id}",
+        public_url.trim_end_matches('/')
+    )
+}
+
+/// The MIME type of an image clients can show inline, or `None` for other files.
+pub(crate) fn inline_image_mime(name: &str) -> Option<&'static str> {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    match content_type(base) {
+        mime @ ("image/png" | "image/jpeg" | "image/gif" | "image/webp") => Some(mime),
+        _ => None,
+    }
+}
+
+/// A file's bytes from the session's blob store.
+pub(crate) async fn read_blob(session: &Session, record: &FileRecord) -> Result<Vec<u8>, Error> {
+    tokio::fs::read(session.workspace.blob_path(&record.sha256))
+        .await
+        .map_err(|_| Error::NotFound(format!("file {:?} not found", record.name)))
+}
+
+/// `execute_code`'s result: output text, images inline, links to other files, the
+/// `/exec` response as structured content, and `isError` when the code failed.
+pub(crate) async fn mcp_exec_result(
+    session: &Session,
+    output: &ExecOutput,
+    public_url: &str,
+) -> CallToolResult {
+    let failed = !output.verdict().is_ok();
+    let mut text = String::new();
+    if !output.stdout.is_empty() {
+        text.push_str("stdout:\n");
+        text.push_str(&output.stdout);
+        if !output.stdout.ends_with('\n') {
+            text.push('\n');
+        }
+    }
+    if !output.stderr.is_empty() {
+        text.push_str("stderr:\n");
+        text.push_str(&output.stderr);
+        if !output.stderr.ends_with('\n') {
+            text.push('\n');
+        }
+    }
+    if text.is_empty() {
+        text.push_str("(no output)\n");
+    }
+    match output.exit_code {
+        Some(0) => {}
+        Some(code) => text.push_str(&format!("exit code: {code}\n")),
+        None => text.push_str("the program did not finish\n"),
+    }
+    if !output.limits.is_empty() {
+        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
+        text.push_str(&format!("limits hit: {}\n", limits.join(", ")));
+    }
+    let mut content = vec![ContentBlock::text(text)];
+    let mut links = Vec::new();
+    for file in &output.files {
+        let url = download_url(public_url, &output.session_id, &file.id);
+        let image = inline_image_mime(&file.name).filter(|_| file.size <= MAX_INLINE_IMAGE_BYTES);
+        if let Some(mime) = image {
+            if let Ok(bytes) = read_blob(session, file).await {
+                let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+                content.push(ContentBlock::image(data, mime));
+                links.push(format!(
+                    "image /mnt/data/{} ({} bytes): {url}",
+                    file.name, file.size
+                ));
+                continue;
+            }
+        }
+        links.push(format!(
+            "file /mnt/data/{} ({} bytes): {url}",
+            file.name, file.size
+        ));
+    }
+    links.push(format!(
+        "session_id: {} (calls without session_id continue it; pass it to continue it elsewhere)",
+        output.session_id
+    ));
+    content.push(ContentBlock::text(links.join("\n")));
+    let mut result = if failed {
+        CallToolResult::error(content)
+    } else {
+        CallToolResult::success(content)
+    };
+    result.structured_content = Some(output_json(output));
+    result
+}
+
+/// The answer: output in fenced blocks, images as `![](url)`, other files as links, and
+/// the session to pass next time.
+pub(crate) fn lobe_markdown(output: &ExecOutput, public_url: &str) -> String {
+    let mut md = String::new();
+    if !output.stdout.is_empty() {
+        md.push_str("stdout:\n\n");
+        md.push_str(&fenced(&output.stdout));
+    }
+    if !output.stderr.is_empty() {
+        md.push_str("stderr:\n\n");
+        md.push_str(&fenced(&output.stderr));
+    }
+    if md.is_empty() {
+        md.push_str("(no output)\n\n");
+    }
+    match output.exit_code {
+        Some(0) => {}
+        Some(code) => md.push_str(&format!("Exit code: {code}\n\n")),
+        None => md.push_str("The program did not finish.\n\n"),
+    }
+    if !output.limits.is_empty() {
+        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
+        md.push_str(&format!("Limits hit: {}\n\n", limits.join(", ")));
+    }
+    let (images, others): (Vec<_>, Vec<_>) = output
+        .files
+        .iter()
+        .partition(|f| inline_image_mime(&f.name).is_some());
+    for image in images {
+        let url = download_url(public_url, &output.session_id, &image.id);
+        md.push_str(&format!("![{}]({url})\n\n", link_text(&image.name)));
+    }
+    if !others.is_empty() {
+        md.push_str("Files:\n\n");
+        for file in others {
+            let url = download_url(public_url, &output.session_id, &file.id);
+            md.push_str(&format!(
+                "- [{}]({url}) ({} bytes)\n",
+                link_text(&file.name),
+                file.size
+            ));
+        }
+        md.push('\n');
+    }
+    md.push_str(&format!(
+        "session_id: `{}` (pass it as session_id in the next runCode call to keep variables \
+and files)\n",
+        output.session_id
+    ));
+    md
+}
+
+/// A fenced code block whose fence is longer than any run of backticks in `text`.
+fn fenced(text: &str) -> String {
+    let mut longest = 0;
+    let mut run = 0;
+    for c in text.chars() {
+        if c == '`' {
+            run += 1;
+            longest = longest.max(run);
+        } else {
+            run = 0;
+        }
+    }
+    let fence = "`".repeat(longest.max(2) + 1);
+    let newline = if text.ends_with('\n') { "" } else { "\n" };
+    format!("{fence}text\n{text}{newline}{fence}\n\n")
+}
+
+/// A file name as markdown link text: brackets and backslashes escaped.
+fn link_text(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if matches!(c, '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A MIME type from a file name's extension.
+pub(crate) fn content_type(name: &str) -> &'static str {
+    let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
+    match ext.as_deref() {
+        Some("png") => "image/png",
+        Some("jpg" | "jpeg") => "image/jpeg",
+        Some("gif") => "image/gif",
+        Some("svg") => "image/svg+xml",
+        Some("webp") => "image/webp",
+        Some("pdf") => "application/pdf",
+        Some("csv") => "text/csv",
+        Some("txt" | "log" | "md") => "text/plain; charset=utf-8",
+        Some("html" | "htm") => "text/html; charset=utf-8",
+        Some("json") => "application/json",
+        Some("xml") => "application/xml",
+        Some("zip") => "application/zip",
+        Some("xlsx") => "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+        Some("docx") => "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+        Some("pptx") => "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+        _ => "application/octet-stream",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workspace::Origin;
+
+    #[test]
+    fn download_urls_are_absolute() {
+        assert_eq!(
+            download_url("http://127.0.0.1:8000/", "S", "F"),
+            "http://127.0.0.1:8000/download/S/F"
+        );
+    }
+
+    #[test]
+    fn images_by_extension() {
+        assert_eq!(inline_image_mime("charts/a.PNG"), Some("image/png"));
+        assert_eq!(inline_image_mime("x.jpeg"), Some("image/jpeg"));
+        assert_eq!(inline_image_mime("x.svg"), None);
+        assert_eq!(inline_image_mime("data.csv"), None);
+    }
+
+    #[test]
+    fn fences_outgrow_the_backticks_inside() {
+        assert_eq!(fenced("hi\n"), "```text\nhi\n```\n\n");
+        assert_eq!(fenced("a ```` b"), "`````text\na ```` b\n`````\n\n");
+    }
+
+    fn record(name: &str) -> FileRecord {
+        FileRecord {
+            id: format!("{name:_>21}").chars().take(21).collect(),
+            name: name.into(),
+            size: 3,
+            sha256: String::new(),
+            created_ms: 0,
+            stamp: Default::default(),
+            current: true,
+            origin: Origin::Generated,
+            read_only: false,
+            kind: None,
+            modified_from: None,
+        }
+    }
+
+    #[test]
+    fn markdown_has_output_images_links_and_session() {
+        let output = crate::core::ExecOutput {
+            session_id: "S".repeat(21),
+            stdout: "42\n".into(),
+            stderr: String::new(),
+            files: vec![record("plot.png"), record("out[1].csv")],
+            runtime_status: sandbox_runner::RuntimeStatus::New,
+            exit_code: Some(0),
+            duration_ms: 1,
+            limits: vec![],
+            compile_cached: None,
+        };
+        let md = lobe_markdown(&output, "https://x.example/");
+        let s = "S".repeat(21);
+        assert!(md.starts_with("stdout:\n\n```text\n42\n```\n"), "{md}");
+        assert!(
+            md.contains(&format!(
+                "![plot.png](https://x.example/download/{s}/{})",
+                output.files[0].id
+            )),
+            "{md}"
+        );
+        assert!(
+            md.contains("- [out\\[1\\].csv](https://x.example/download/"),
+            "{md}"
+        );
+        assert!(md.contains(&format!("session_id: `{s}`")), "{md}");
+    }
+}
