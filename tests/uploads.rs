@@ -1,5 +1,5 @@
 //! Uploads, listings, input refs, versions, deletion and expiry, in both contract
-//! generations (API.md, "Files").
+//! generations (docs/API.md, "Files").
 
 mod common;
 

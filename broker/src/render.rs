@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 /// Largest image sent inline as an `image` block; larger ones are links.
 pub(crate) const MAX_INLINE_IMAGE_BYTES: u64 = 5 * 1024 * 1024;
 
-/// The `/exec` response of API.md.
+/// The `/exec` response (docs/API.md, "POST /exec").
 pub(crate) fn output_json(output: &ExecOutput) -> Value {
     let files: Vec<Value> = output
         .files

@@ -2,7 +2,7 @@
 //! token bucket), a per-user cap on live sessions (sessions with a running container) and
 //! a cap on session containers for the whole broker, derived by default from the Docker
 //! host's memory. Going over any of them is a 429 `rate_limited` with
-//! `retry_after_seconds` (API.md). Before a cap refuses, the broker removes the least
+//! `retry_after_seconds` (docs/API.md, "Limits"). Before a cap refuses, the broker removes the least
 //! recently used idle container in the way (`session::evict`), so only running code
 //! holds a place.
 //!

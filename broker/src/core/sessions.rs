@@ -8,7 +8,7 @@ use crate::session::{Session, SessionMeta};
 use crate::workspace::{FileRecord, Workspace};
 use std::sync::Arc;
 
-/// How the caller wants a session chosen (API.md, POST /exec).
+/// How the caller wants a session chosen (docs/API.md, "POST /exec").
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SessionChoice {
     /// The end user the caller names.

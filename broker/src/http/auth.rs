@@ -1,5 +1,5 @@
 //! Who is calling: API keys (headers, or LibreChat's body field), LibreChat-minted JWTs,
-//! and the end user (API.md, "Identity and auth").
+//! and the end user (docs/API.md, "Identity and auth").
 //!
 //! Under a JWT the user is its `sub`, whatever else the request says; under an API key the
 //! caller is a trusted server and names the user itself (`User-Id`, body `user_id`,

@@ -1,4 +1,4 @@
-//! The one error type of the HTTP layer, rendered as API.md's JSON envelope
+//! The one error type of the HTTP layer, rendered as the JSON envelope of docs/API.md
 //! `{"error": "<code>", "message": "<text>"}`.
 
 use axum::http::StatusCode;

@@ -1,5 +1,5 @@
 //! LibreChat-minted JWTs (`Authorization: Bearer <JWT>`): the configured public keys and
-//! the checks a token must pass (API.md, "Identity and auth").
+//! the checks a token must pass (docs/API.md, "Identity and auth").
 //!
 //! A token is accepted when its header's `alg` is the one its key is for (EdDSA for an
 //! Ed25519 key, RS256 for an RSA key; `none` and everything else never), its signature

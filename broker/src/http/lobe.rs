@@ -1,4 +1,4 @@
-//! LobeChat plugin (API.md, "LobeChat plugin"): `GET /lobe/manifest.json`, public, and
+//! LobeChat plugin (docs/API.md, "LobeChat plugin"): `GET /lobe/manifest.json`, public, and
 //! `POST /lobe/run`, which LobeChat's plugin gateway calls with the model's arguments as
 //! the raw body (a string, so `text/plain`) and the user's plugin settings as JSON in the
 //! `X-Lobe-Plugin-Settings` header. The answer is markdown the model reads.

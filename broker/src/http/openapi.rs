@@ -17,7 +17,7 @@ pub(crate) fn router() -> Router<AppState> {
     Router::new().route("/openapi.json", get(openapi_json))
 }
 
-/// The error envelope of every failure (API.md).
+/// The error envelope of every failure (docs/API.md, "The error envelope").
 #[derive(Serialize, ToSchema)]
 pub(crate) struct ErrorBody {
     /// A stable code (`bad_request`, `unauthorized`, `not_found`, `rate_limited`, ...),

@@ -1,4 +1,4 @@
-//! MCP over streamable HTTP at `/mcp` (API.md, "MCP"), with the official SDK `rmcp`.
+//! MCP over streamable HTTP at `/mcp` (docs/API.md, "MCP at /mcp"), with the official SDK `rmcp`.
 //!
 //! Tools: `execute_code`, `upload_file`, `list_files`, `read_file`; with code mode on
 //! (`CODEBROKER_CODEMODE`) also `execute` and `search` ([`crate::mcp::codemode`]). The route sits behind the

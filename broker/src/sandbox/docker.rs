@@ -112,7 +112,7 @@ impl DockerBackend {
         self.docker.inspect_image(&self.config.image).await.is_ok()
     }
 
-    /// What `docker create` gets for a session's sandbox: the lockdown of DESIGN.md.
+    /// What `docker create` gets for a session's sandbox: the lockdown SECURITY.md describes ("Layers").
     fn container_body(&self, session_id: &str, workspace: &Path) -> ContainerCreateBody {
         let c = &self.config;
         let created = SystemTime::now()

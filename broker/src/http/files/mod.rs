@@ -1,5 +1,5 @@
 //! Files of a session: uploads, listings, object metadata, deletion and downloads
-//! (API.md, "Files"), for both contract generations.
+//! (docs/API.md, "Files"), for both contract generations.
 
 pub(super) mod download;
 pub(super) mod upload;

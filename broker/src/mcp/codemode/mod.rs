@@ -1,4 +1,4 @@
-//! Code mode (DESIGN.md, "Code mode"): code run by the MCP tool `execute` calls functions
+//! Code mode (docs/API.md, "MCP at /mcp"; docs/ARCHITECTURE.md, trust boundaries): code run by the MCP tool `execute` calls functions
 //! the broker serves itself over the exec's tool bridge, with no client round trip:
 //!
 //! - `codemode.http.fetch({url, method?, headers?, body?})`: the broker makes the request,
