@@ -6,7 +6,7 @@ use crate::error::{AppError, AppResult};
 use crate::ids::{is_valid_id, new_id};
 use crate::jwt::JwtKeys;
 use crate::ratelimit::Limits;
-use crate::sandbox::{docker::short, ChannelError, DockerBackend, Sandbox};
+use crate::sandbox::{docker::short, ChannelError, Sandbox, SandboxBackend, SandboxFiles};
 use crate::session::evict::{self, Reason};
 use crate::session::registry::META_FILE;
 use crate::session::{Pool, Registry, Session, SessionMeta};
@@ -40,8 +40,8 @@ struct PooledSandbox {
 pub struct Broker {
     /// Every setting.
     pub config: Arc<Config>,
-    /// The container engine.
-    pub docker: Arc<DockerBackend>,
+    /// Where sandboxes run, and how files reach them.
+    pub backend: Arc<dyn SandboxBackend>,
     /// All sessions.
     pub registry: Registry,
     /// Started sandboxes waiting for new sessions.
@@ -134,7 +134,7 @@ pub struct ExecOutput {
 }
 
 impl Broker {
-    pub fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
+    pub fn new(config: Arc<Config>, backend: Arc<dyn SandboxBackend>) -> Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(
@@ -142,11 +142,11 @@ impl Broker {
                 config.pool_max,
                 config.pool_refill_concurrency,
             )),
-            limits: Limits::from_config(&config, docker.host_memory),
+            limits: Limits::from_config(&config, backend.host_memory()),
             jwt: JwtKeys::default(),
-            metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
+            metrics: crate::metrics::Metrics::new(backend.api_errors()),
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
-            docker: Arc::new(docker),
+            backend,
             config,
             libraries: tokio::sync::OnceCell::new(),
         }
@@ -339,6 +339,7 @@ impl Broker {
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
+        notes.extend(crate::sandbox::backend::settle_files(&self.backend, &session).await);
         let cap = if hooks.tools.is_some() {
             self.config.max_programmatic_timeout_ms
         } else {
@@ -467,7 +468,7 @@ impl Broker {
                 // or an odd answer comes from a runner still alive, not worth a wait.
                 let oom = matches!(err, ChannelError::Closed(_))
                     && self
-                        .docker
+                        .backend
                         .ended_out_of_memory(&sandbox.container_id, exec_start)
                         .await;
                 tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");
@@ -535,7 +536,6 @@ impl Broker {
         let _slot = self
             .limits
             .container_slot(&self.registry, session.meta.user.as_deref())?;
-        let files_dir = session.workspace.files_dir();
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
@@ -545,7 +545,10 @@ impl Broker {
             return Ok(sandbox);
         }
         let cold = self.pool.cold_start();
-        let created = self.docker.create(session.id(), &files_dir, false).await;
+        let created = self
+            .backend
+            .create(session.id(), &session.workspace, false)
+            .await;
         drop(cold);
         let sandbox = created.map_err(|e| {
             tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
@@ -561,10 +564,16 @@ impl Broker {
     /// takes the place of the session's, with the session's files moved into it. `None`
     /// when the pool is empty or the move fails (the caller then starts a container).
     async fn sandbox_from_pool(&self, session: &Arc<Session>) -> Option<Arc<Sandbox>> {
+        if !self.backend.hands_over_pooled() {
+            return None;
+        }
         let pooled = self.pool.take()?;
         let ours = session.workspace.clone();
         let theirs = pooled.workspace.clone();
-        let moved = tokio::task::spawn_blocking(move || ours.take_files_dir_of(&theirs)).await;
+        let backend = self.backend.clone();
+        let moved =
+            tokio::task::spawn_blocking(move || backend.take_pooled_workspace(&ours, &theirs))
+                .await;
         match moved {
             Ok(Ok(())) => {}
             failed => {
@@ -601,7 +610,7 @@ impl Broker {
                 session.set_sandbox(None);
             }
         }
-        self.docker.remove(&sandbox.container_id).await;
+        self.backend.remove(&sandbox.container_id).await;
     }
 
     /// Finds the files the exec created or changed and saves the index.
@@ -611,9 +620,10 @@ impl Broker {
         limits: HarvestLimits,
     ) -> AppResult<(Vec<FileRecord>, Vec<String>)> {
         let mut index = session.index().clone();
+        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
-            let report = workspace.harvest(&mut index, limits)?;
+            let report = backend.harvest(&at, &mut index, limits)?;
             if !report.files.is_empty() || report.index_changed {
                 workspace.save_index(&index)?;
             }
@@ -652,7 +662,7 @@ impl Broker {
         self.libraries
             .get_or_try_init(|| async {
                 let bytes = self
-                    .docker
+                    .backend
                     .read_image_file("/opt/codebroker/libraries.json")
                     .await?;
                 anyhow::Ok(serde_json::from_slice(&bytes)?)
@@ -681,7 +691,7 @@ impl Broker {
             .collect();
         let mut adopted = 0;
         let mut removed = 0;
-        for container in self.docker.list_own().await? {
+        for container in self.backend.list_own().await? {
             let session = container
                 .session
                 .as_deref()
@@ -689,7 +699,7 @@ impl Broker {
                 .or_else(|| handed.get(&container.id).cloned());
             match session {
                 Some(session) if container.running && session.sandbox().is_none() => {
-                    match self.docker.adopt(&container.id).await {
+                    match self.backend.adopt(&container.id).await {
                         Ok(sandbox) => {
                             session.set_sandbox(Some(Arc::new(sandbox)));
                             adopted += 1;
@@ -711,7 +721,7 @@ impl Broker {
                     }
                 }
             }
-            self.docker.remove(&container.id).await;
+            self.backend.remove(&container.id).await;
             removed += 1;
         }
         tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
@@ -788,8 +798,8 @@ impl Broker {
         };
         self.record_eviction(session, reason);
         sandbox.close("evicted");
-        let docker = self.docker.clone();
-        tokio::spawn(async move { docker.remove(&sandbox.container_id).await });
+        let backend = self.backend.clone();
+        tokio::spawn(async move { backend.remove(&sandbox.container_id).await });
         true
     }
 
@@ -845,7 +855,7 @@ impl Broker {
     /// On shutdown: drain the pool; leave session containers for the next start to
     /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
     pub async fn shutdown(&self) {
-        self.pool.drain(&self.docker).await;
+        self.pool.drain(&*self.backend).await;
         let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
         for session in self.registry.all() {
@@ -855,7 +865,7 @@ impl Broker {
             }
             if let Some(sandbox) = session.set_sandbox(None) {
                 sandbox.close("shutdown");
-                self.docker.remove(&sandbox.container_id).await;
+                self.backend.remove(&sandbox.container_id).await;
                 count += 1;
             }
         }
@@ -875,11 +885,11 @@ impl Broker {
     /// 409 while the first is still under way.
     async fn await_no_containers(&self) {
         for round in 0..50 {
-            match self.docker.list_own().await {
+            match self.backend.list_own().await {
                 Ok(left) if left.is_empty() => return,
                 Ok(left) if round % 10 == 9 => {
                     for container in left {
-                        self.docker.remove(&container.id).await;
+                        self.backend.remove(&container.id).await;
                     }
                 }
                 Ok(_) => {}

@@ -68,7 +68,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     if !docker.image_present().await {
         tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
     }
-    let mut broker = Broker::new(config, docker);
+    let mut broker = Broker::new(config, Arc::new(docker));
     broker.jwt = jwt;
     let broker = Arc::new(broker);
     broker
@@ -88,7 +88,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
-        broker.docker.clone(),
+        broker.backend.clone(),
         broker.config.clone(),
         stop_rx.clone(),
     ));

@@ -97,6 +97,16 @@ impl DockerBackend {
         })
     }
 
+    /// How files move between the broker and its sandboxes.
+    pub(super) fn file_transfer(&self) -> crate::config::FileTransfer {
+        self.config.file_transfer
+    }
+
+    /// The uid code runs as in the sandboxes, who owns the files placed for it.
+    pub(super) fn sandbox_uid(&self) -> u32 {
+        self.config.sandbox_uid
+    }
+
     /// Counts one failed Engine API call of `op`.
     fn failed(&self, op: &str) {
         docker_error(&self.api_errors, op);
