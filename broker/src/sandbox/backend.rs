@@ -249,19 +249,15 @@ impl SandboxBackend for DockerBackend {
     }
 
     fn hands_over_pooled(&self) -> bool {
-        self.file_transfer() == FileTransfer::Host
+        true
     }
 
     fn take_pooled_workspace(&self, session: &Workspace, pooled: &Workspace) -> io::Result<()> {
-        match self.file_transfer() {
-            FileTransfer::Host => session.take_files_dir_of(pooled),
-            // Moving the directory is touching it: the session starts a sandbox on its own
-            // workspace instead.
-            FileTransfer::Runner => Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "pooled sandboxes are not handed over when files go through the runner",
-            )),
-        }
+        // Whichever way files move, what a container mounts is the engine's business: the
+        // directory behind the pooled container's mount becomes the session's (entries
+        // are renamed, never opened), so a later container on the session's workspace
+        // sees what this one wrote.
+        session.take_files_dir_of(pooled)
     }
 
     fn settle_files(
