@@ -1,3 +1,4 @@
+// Over 600 lines: the last quarter is the tests of the lockdown each sandbox gets.
 //! Sandboxes as Docker containers, driven through the Engine API (bollard).
 
 use super::channel::AttachOutput;
