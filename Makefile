@@ -6,6 +6,8 @@
 #   make leftovers  containers and workspaces a test run left behind (fails on any)
 #   make test-runsc the core, hostile and LibreChat suites with every sandbox under gVisor
 #                (register it first: scripts/runsc-up.sh)
+#   make test-runner-files  the file, upload, exec and LibreChat suites with files moved
+#                through the runner (CODEBROKER_FILE_TRANSFER=runner)
 #   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
 IMAGE ?= codebroker-sandbox:latest
@@ -13,7 +15,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc
+.PHONY: image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -48,6 +50,14 @@ RUNSC_SKIP ?= --skip a_bash_fork_bomb_is_contained --skip a_python_fork_loop_is_
 test-runsc: image
 	CODEBROKER_RUNTIME=runsc $(CARGO) test -p codebroker $(RUNSC_SUITES) -- --test-threads=2 $(RUNSC_SKIP)
 	CODEBROKER_RUNTIME=runsc $(MAKE) --no-print-directory librechat-test
+
+# The suites that move files, with every file through the runner instead of the host
+# directory: the path of a backend whose sandboxes the broker cannot see the disk of.
+RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programmatic \
+	--test lifecycle --test file_transfer
+test-runner-files: image
+	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
+	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test
 
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:

@@ -285,6 +285,18 @@ pub struct Config {
     )]
     pub shutdown_containers: ShutdownContainers,
 
+    /// How files move between the broker and a sandbox: `host` reads and writes the
+    /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
+    /// `runner` goes through the sandbox's runner over its channel and never touches that
+    /// directory (the path of a backend whose sandboxes run on other machines).
+    #[arg(
+        long,
+        env = "CODEBROKER_FILE_TRANSFER",
+        default_value = "host",
+        value_enum
+    )]
+    pub file_transfer: FileTransfer,
+
     /// Public keys that verify LibreChat-minted JWTs (`Authorization: Bearer <JWT>`),
     /// comma-separated: each a PEM file path or an inline PEM (`\n` escapes allowed),
     /// optionally named by the tokens' `kid` header as `kid=path`. Ed25519 keys verify
@@ -554,6 +566,15 @@ pub enum ShutdownContainers {
     Keep,
     /// Remove them; their files stay in the data directory.
     Remove,
+}
+
+/// How files move between the broker and a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FileTransfer {
+    /// Through the workspace directory the sandbox mounts, on this host.
+    Host,
+    /// Through the sandbox's runner, over its channel.
+    Runner,
 }
 
 /// How callers prove who they are.

@@ -72,7 +72,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     }
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     drop(jwt);
-    let broker = Arc::new(Broker::new(config, docker));
+    let broker = Arc::new(Broker::new(config, Arc::new(docker)));
     broker
         .reconcile()
         .await
@@ -91,7 +91,7 @@ pub async fn run(
     // a child of it.
     let stop = CancellationToken::new();
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
-        broker.docker.clone(),
+        broker.backend.clone(),
         broker.config.clone(),
         stop.child_token(),
     ));

@@ -3,7 +3,7 @@
 
 use crate::core::error::{Error, Result};
 use crate::core::{Broker, SessionChoice};
-use crate::sandbox::{docker::short, ChannelError, Sandbox};
+use crate::sandbox::{docker::short, ChannelError, Sandbox, SandboxFiles};
 use crate::session::Session;
 use crate::workspace::{FileRecord, HarvestLimits};
 use sandbox_runner::{
@@ -239,6 +239,7 @@ impl Broker {
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
+        notes.extend(crate::sandbox::backend::settle_files(&self.backend, &session).await);
         let timeout_ms = self.exec_timeout_ms(input.timeout_ms, hooks.tools.is_some());
         let ExecHooks {
             events,
@@ -401,7 +402,7 @@ impl Broker {
         // or an odd answer comes from a runner still alive, not worth a wait.
         let oom = matches!(err, ChannelError::Closed(_))
             && self
-                .docker
+                .backend
                 .ended_out_of_memory(&sandbox.container_id, exec_start)
                 .await;
         tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");
@@ -457,9 +458,10 @@ impl Broker {
         limits: HarvestLimits,
     ) -> Result<(Vec<FileRecord>, Vec<String>)> {
         let mut index = session.index().clone();
+        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
-            let report = workspace.harvest(&mut index, limits)?;
+            let report = backend.harvest(&at, &mut index, limits)?;
             if !report.files.is_empty() || report.index_changed {
                 workspace.save_index(&index)?;
             }

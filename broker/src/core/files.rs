@@ -6,6 +6,7 @@ use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::{Broker, InputFile};
 use crate::ids::new_id;
+use crate::sandbox::SandboxFiles;
 use crate::session::Session;
 use crate::workspace::{
     human_bytes, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
@@ -100,7 +101,7 @@ impl Broker {
     ) -> Result<Vec<FileRecord>> {
         let _turn = session.acquire().await;
         let workspace = session.workspace.clone();
-        let uid = self.config.sandbox_uid;
+        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
         let read_only =
             options.read_only || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
         let kind = options.kind.clone();
@@ -131,10 +132,10 @@ impl Broker {
                     .map_err(|e| Error::internal(format!("cannot store upload: {e}")))?;
                 // The workspace is the code's: a directory, or a link leading out of it,
                 // may stand where the name goes. That is the name's problem, not ours.
-                let placed = workspace.place_blob(
+                let placed = backend.place_file(
+                    &at,
                     &workspace.blob_path(&file.sha256),
                     &file.name,
-                    uid,
                     read_only,
                 );
                 let stamp = match placed {
@@ -258,7 +259,7 @@ impl Broker {
             }
             let from = source.workspace.clone();
             let to = session.workspace.clone();
-            let uid = self.config.sandbox_uid;
+            let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
             let rec = record.clone();
             let target_for_copy = target_path.clone();
             let result = tokio::task::spawn_blocking(move || {
@@ -271,7 +272,7 @@ impl Broker {
                         std::fs::copy(&src, &blob)?;
                     }
                 }
-                to.place_blob(&blob, &target_for_copy, uid, rec.read_only)
+                backend.place_file(&at, &blob, &target_for_copy, rec.read_only)
             })
             .await
             .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
@@ -336,9 +337,10 @@ impl Broker {
         };
         save_index(&session.workspace, &index).await?;
         let workspace = session.workspace.clone();
+        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
         tokio::task::spawn_blocking(move || {
             for record in dropped.records.iter().filter(|r| r.current) {
-                let _ = workspace.remove_if_unchanged(record);
+                let _ = backend.remove_file(&at, record);
             }
             workspace.delete_unused_blobs(&index, &dropped.blobs);
         })

@@ -18,7 +18,7 @@ pub(crate) use sessions::SessionChoice;
 
 use crate::config::Config;
 use crate::core::limits::Limits;
-use crate::sandbox::DockerBackend;
+use crate::sandbox::SandboxBackend;
 use crate::session::{Pool, Registry};
 use std::sync::Arc;
 
@@ -26,8 +26,8 @@ use std::sync::Arc;
 pub struct Broker {
     /// Every setting.
     pub(crate) config: Arc<Config>,
-    /// The container engine.
-    pub(crate) docker: Arc<DockerBackend>,
+    /// Where sandboxes run, and how files reach them.
+    pub(crate) backend: Arc<dyn SandboxBackend>,
     /// All sessions.
     pub(crate) registry: Registry,
     /// Started sandboxes waiting for new sessions.
@@ -43,7 +43,7 @@ pub struct Broker {
 }
 
 impl Broker {
-    pub(crate) fn new(config: Arc<Config>, docker: DockerBackend) -> Broker {
+    pub(crate) fn new(config: Arc<Config>, backend: Arc<dyn SandboxBackend>) -> Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(
@@ -51,10 +51,10 @@ impl Broker {
                 config.pool_max,
                 config.pool_refill_concurrency,
             )),
-            limits: Limits::from_config(&config, docker.host_memory),
-            metrics: crate::metrics::Metrics::new(docker.api_errors.clone()),
+            limits: Limits::from_config(&config, backend.host_memory()),
+            metrics: crate::metrics::Metrics::new(backend.api_errors()),
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
-            docker: Arc::new(docker),
+            backend,
             config,
             libraries: tokio::sync::OnceCell::new(),
         }
@@ -65,7 +65,7 @@ impl Broker {
         self.libraries
             .get_or_try_init(|| async {
                 let bytes = self
-                    .docker
+                    .backend
                     .read_image_file("/opt/codebroker/libraries.json")
                     .await?;
                 anyhow::Ok(serde_json::from_slice(&bytes)?)

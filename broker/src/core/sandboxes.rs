@@ -38,7 +38,6 @@ impl Broker {
         let _slot = self
             .limits
             .container_slot(&self.registry, session.meta.user.as_deref())?;
-        let files_dir = session.workspace.files_dir();
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
@@ -48,7 +47,10 @@ impl Broker {
             return Ok(sandbox);
         }
         let cold = self.pool.cold_start();
-        let created = self.docker.create(session.id(), &files_dir, false).await;
+        let created = self
+            .backend
+            .create(session.id(), &session.workspace, false)
+            .await;
         drop(cold);
         let sandbox = created.map_err(|e| {
             tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
@@ -64,10 +66,16 @@ impl Broker {
     /// takes the place of the session's, with the session's files moved into it. `None`
     /// when the pool is empty or the move fails (the caller then starts a container).
     pub(crate) async fn sandbox_from_pool(&self, session: &Arc<Session>) -> Option<Arc<Sandbox>> {
+        if !self.backend.hands_over_pooled() {
+            return None;
+        }
         let pooled = self.pool.take()?;
         let ours = session.workspace.clone();
         let theirs = pooled.workspace.clone();
-        let moved = tokio::task::spawn_blocking(move || ours.take_files_dir_of(&theirs)).await;
+        let backend = self.backend.clone();
+        let moved =
+            tokio::task::spawn_blocking(move || backend.take_pooled_workspace(&ours, &theirs))
+                .await;
         match moved {
             Ok(Ok(())) => {}
             failed => {
@@ -104,7 +112,7 @@ impl Broker {
                 session.set_sandbox(None);
             }
         }
-        self.docker.remove(&sandbox.container_id).await;
+        self.backend.remove(&sandbox.container_id).await;
     }
 
     /// At start-up: re-attach to this instance's running session containers, remove the
@@ -123,7 +131,7 @@ impl Broker {
             .collect();
         let mut adopted = 0;
         let mut removed = 0;
-        for container in self.docker.list_own().await? {
+        for container in self.backend.list_own().await? {
             let session = container
                 .session
                 .as_deref()
@@ -131,7 +139,7 @@ impl Broker {
                 .or_else(|| handed.get(&container.id).cloned());
             match session {
                 Some(session) if container.running && session.sandbox().is_none() => {
-                    match self.docker.adopt(&container.id).await {
+                    match self.backend.adopt(&container.id).await {
                         Ok(sandbox) => {
                             session.set_sandbox(Some(Arc::new(sandbox)));
                             adopted += 1;
@@ -153,7 +161,7 @@ impl Broker {
                     }
                 }
             }
-            self.docker.remove(&container.id).await;
+            self.backend.remove(&container.id).await;
             removed += 1;
         }
         tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
@@ -235,8 +243,8 @@ impl Broker {
         };
         self.record_eviction(session, reason);
         sandbox.close("evicted");
-        let docker = self.docker.clone();
-        tokio::spawn(async move { docker.remove(&sandbox.container_id).await });
+        let backend = self.backend.clone();
+        tokio::spawn(async move { backend.remove(&sandbox.container_id).await });
         true
     }
 
@@ -292,7 +300,7 @@ impl Broker {
     /// On shutdown: drain the pool; leave session containers for the next start to
     /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
     pub(crate) async fn shutdown(&self) {
-        self.pool.drain(&self.docker).await;
+        self.pool.drain(&*self.backend).await;
         let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
         for session in self.registry.all() {
@@ -302,7 +310,7 @@ impl Broker {
             }
             if let Some(sandbox) = session.set_sandbox(None) {
                 sandbox.close("shutdown");
-                self.docker.remove(&sandbox.container_id).await;
+                self.backend.remove(&sandbox.container_id).await;
                 count += 1;
             }
         }
@@ -320,11 +328,11 @@ impl Broker {
     /// 409 while the first is still under way.
     async fn await_no_containers(&self) {
         for round in 0..50 {
-            match self.docker.list_own().await {
+            match self.backend.list_own().await {
                 Ok(left) if left.is_empty() => return,
                 Ok(left) if round % 10 == 9 => {
                     for container in left {
-                        self.docker.remove(&container.id).await;
+                        self.backend.remove(&container.id).await;
                     }
                 }
                 Ok(_) => {}

@@ -242,7 +242,8 @@ const STREAM_QUEUE: usize = 8;
 /// one large file must not turn each small event into megabytes read and sent). Returns
 /// the event and what is left.
 fn display_json(
-    workspace: &crate::workspace::Workspace,
+    backend: &dyn crate::sandbox::SandboxBackend,
+    at: &crate::sandbox::SandboxFiles,
     display: DisplayData,
     inline_left: u64,
 ) -> (Value, u64) {
@@ -252,18 +253,11 @@ fn display_json(
         out["name"] = json!(name);
         out["path"] = json!(format!("/mnt/data/{name}"));
         let cap = MAX_INLINE_DISPLAY_BYTES.min(inline_left);
-        if let Ok((file, size)) = workspace.open_file(name) {
-            let mut bytes = Vec::new();
-            // The code may still be appending to it: never read past the cap.
-            let mut capped = std::io::Read::take(file, cap + 1);
-            if size <= cap
-                && std::io::Read::read_to_end(&mut capped, &mut bytes).is_ok()
-                && bytes.len() as u64 <= cap
-            {
-                left -= bytes.len() as u64;
-                use base64::Engine as _;
-                out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
-            }
+        // The code may still be appending to it: never read past the cap.
+        if let Ok(Some(bytes)) = backend.read_file(at, name, cap) {
+            left -= bytes.len() as u64;
+            use base64::Engine as _;
+            out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
         }
     } else if let Some(data) = display.data {
         out["data"] = json!(data);
@@ -313,20 +307,24 @@ async fn exec_stream(
         .start_exec(&choice, input, hooks)
         .await?
         .cancel_on_drop(Some(&cancel));
-    let workspace = run.session.workspace.clone();
+    let files_of = run.session.clone();
 
     struct State {
         rx: mpsc::Receiver<WorkerMessage>,
         /// The exec; dropped with the body, so a client that goes away cancels it.
         run: Option<ExecRun>,
-        workspace: crate::workspace::Workspace,
+        /// The exec's session, whose files displays may inline.
+        files_of: std::sync::Arc<crate::session::Session>,
+        /// Where those files are read.
+        backend: std::sync::Arc<dyn crate::sandbox::SandboxBackend>,
         /// Bytes of files the displays of this exec may still inline.
         inline_left: u64,
     }
     let state = State {
         rx,
         run: Some(run),
-        workspace,
+        files_of,
+        backend: state.broker.backend.clone(),
         inline_left,
     };
     let stream = futures::stream::unfold(state, move |mut st| async move {
@@ -340,12 +338,14 @@ async fn exec_stream(
                     stream_event(name, Value::String(chunk.data), ndjson)
                 }
                 WorkerMessage::Display(display) => {
-                    let ws = st.workspace.clone();
+                    let at = crate::sandbox::SandboxFiles::of(&st.files_of);
+                    let backend = st.backend.clone();
                     let left = st.inline_left;
-                    let (data, left) =
-                        tokio::task::spawn_blocking(move || display_json(&ws, display, left))
-                            .await
-                            .unwrap_or((Value::Null, left));
+                    let (data, left) = tokio::task::spawn_blocking(move || {
+                        display_json(&*backend, &at, display, left)
+                    })
+                    .await
+                    .unwrap_or((Value::Null, left));
                     st.inline_left = left;
                     stream_event("display", data, ndjson)
                 }

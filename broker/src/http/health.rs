@@ -44,7 +44,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         .health
         .get(|| {
             let broker = broker.clone();
-            async move { tokio::join!(broker.docker.ping(), broker.docker.image_present()) }
+            async move { tokio::join!(broker.backend.ping(), broker.backend.image_present()) }
         })
         .await;
     let healthy = docker_ok && image_ok;

@@ -1,3 +1,4 @@
+// Over 600 lines: nearly half of it is the tests of the demultiplexer.
 //! The broker's end of the attached stdio channel to a sandbox's runner.
 //!
 //! Frames are newline-delimited JSON `[job_id, message]`. One reader task demultiplexes the
@@ -139,9 +140,9 @@ impl RunnerChannel {
         close(&self.close_tx, &self.waiters, reason);
     }
 
-    /// Sends a request and waits for the message that ends its job; messages on the way
-    /// are dropped.
-    pub async fn request<R>(&self, request: R) -> Result<WorkerMessage, ChannelError>
+    /// Sends a request and waits for the message that ends its job, narrowed to the
+    /// request's response; messages on the way are dropped.
+    pub async fn request<R>(&self, request: R) -> Result<R::Response, ChannelError>
     where
         R: Request,
     {
@@ -155,7 +156,8 @@ impl RunnerChannel {
         self.next_job.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Sends a request as job `job` and waits for the message that ends the job.
+    /// Sends a request as job `job` and waits for the message that ends the job, narrowed
+    /// to the request's response (any other answer is [`ChannelError::Unexpected`]).
     /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`;
     /// what it gives back goes on to `sink`. While the sink is full, the job's next
     /// messages wait in the runner (see the module doc).
@@ -165,7 +167,7 @@ impl RunnerChannel {
         request: R,
         mut on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
         sink: Option<&mpsc::Sender<WorkerMessage>>,
-    ) -> Result<WorkerMessage, ChannelError>
+    ) -> Result<R::Response, ChannelError>
     where
         R: Request,
     {
@@ -198,7 +200,10 @@ impl RunnerChannel {
                     }
                 }
                 Some(WorkerMessage::Error(err)) => return Err(ChannelError::Refused(err.message)),
-                Some(other) => return Ok(other),
+                Some(other) => {
+                    return R::Response::try_from(other)
+                        .map_err(|other| ChannelError::Unexpected(describe(&other)))
+                }
                 None => return Err(ChannelError::Closed(self.close_reason())),
             }
         }
@@ -258,6 +263,14 @@ impl Drop for RunnerChannel {
             heartbeat.abort();
         }
     }
+}
+
+/// A message for an error: its kind only, as a hostile runner's payload may be large.
+fn describe(msg: &WorkerMessage) -> String {
+    serde_json::to_value(msg)
+        .ok()
+        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string))
+        .unwrap_or_else(|| "an unknown message".to_string())
 }
 
 /// Removes a job's waiter however its request ends.
@@ -437,11 +450,34 @@ mod tests {
         out_tx
             .send(Ok(AttachOutput::Stdout(b.to_string().into())))
             .unwrap();
-        let msg = chan
+        let hello = chan
             .request_as(job, HelloRequest::default(), |_| None, None)
             .await
             .unwrap();
-        assert!(matches!(msg, WorkerMessage::Hello(_)));
+        assert_eq!(hello.runner_version, "t");
+    }
+
+    #[tokio::test]
+    async fn an_answer_of_another_type_is_unexpected() {
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
+        let (input, _sink) = tokio::io::duplex(1 << 16);
+        let chan = RunnerChannel::new("t".into(), tokio_stream_from(out_rx), Box::pin(input));
+        let job = chan.new_job();
+        // A hello answered with a file list: narrowed away, not taken for a hello.
+        let msg = WorkerMessage::FileList(sandbox_runner::FileList::default());
+        let frame = format!(
+            "{}\n",
+            serde_json::to_string(&Multiplexed(job, msg)).unwrap()
+        );
+        out_tx.send(Ok(AttachOutput::Stdout(frame.into()))).unwrap();
+        let err = chan
+            .request_as(job, HelloRequest::default(), |_| None, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ChannelError::Unexpected(kind) if kind == "file_list"),
+            "{err}"
+        );
     }
 
     #[tokio::test]

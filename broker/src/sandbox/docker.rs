@@ -1,3 +1,4 @@
+// Over 600 lines: the last quarter is the tests of the lockdown each sandbox gets.
 //! Sandboxes as Docker containers, driven through the Engine API (bollard).
 
 use super::channel::AttachOutput;
@@ -95,6 +96,16 @@ impl DockerBackend {
             host_memory,
             seccomp,
         })
+    }
+
+    /// How files move between the broker and its sandboxes.
+    pub(super) fn file_transfer(&self) -> crate::config::FileTransfer {
+        self.config.file_transfer
+    }
+
+    /// The uid code runs as in the sandboxes, who owns the files placed for it.
+    pub(super) fn sandbox_uid(&self) -> u32 {
+        self.config.sandbox_uid
     }
 
     /// Counts one failed Engine API call of `op`.

@@ -1,8 +1,11 @@
 //! The container side: one sandbox per session, reached over its runner channel.
 
+pub mod backend;
 pub mod channel;
 pub mod docker;
+pub(crate) mod runner_files;
 
+pub use backend::{SandboxBackend, SandboxFiles};
 pub use channel::{ChannelError, RunnerChannel};
 pub use docker::{DockerBackend, OwnContainer};
 
@@ -61,14 +64,15 @@ impl Sandbox {
         on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
         sink: Option<&tokio::sync::mpsc::Sender<WorkerMessage>>,
     ) -> Result<ExecResponse, ChannelError> {
-        match self
-            .channel
-            .request_as(job, request, on_event, sink)
-            .await?
-        {
-            WorkerMessage::ExecDone(done) => Ok(done),
-            other => Err(ChannelError::Unexpected(format!("{other:?}"))),
-        }
+        self.channel.request_as(job, request, on_event, sink).await
+    }
+
+    /// Sends one file request (`sandbox_runner::files`) and waits for its answer.
+    pub(crate) async fn file_request<R: sandbox_runner::Request>(
+        &self,
+        request: R,
+    ) -> Result<R::Response, ChannelError> {
+        self.channel.request(request).await
     }
 
     /// Answers a tool call of the exec of `job`.
@@ -87,10 +91,7 @@ impl Sandbox {
         start_kernel: bool,
     ) -> Result<sandbox_runner::HelloResponse, ChannelError> {
         let req = sandbox_runner::HelloRequest { start_kernel };
-        match self.channel.request(req).await? {
-            WorkerMessage::Hello(hello) => Ok(hello),
-            other => Err(ChannelError::Unexpected(format!("{other:?}"))),
-        }
+        self.channel.request(req).await
     }
 
     /// Stops an exec the runner still runs for an earlier broker (one that died during

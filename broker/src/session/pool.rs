@@ -11,7 +11,7 @@
 
 use crate::config::Config;
 use crate::ids::new_id;
-use crate::sandbox::{DockerBackend, Sandbox};
+use crate::sandbox::{Sandbox, SandboxBackend};
 use crate::workspace::Workspace;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -222,7 +222,7 @@ impl Pool {
     /// Keeps the pool full until `shutdown` is cancelled; then removes what it holds.
     pub(crate) async fn run_refiller(
         self: Arc<Self>,
-        docker: Arc<DockerBackend>,
+        docker: Arc<dyn SandboxBackend>,
         config: Arc<Config>,
         shutdown: tokio_util::sync::CancellationToken,
     ) {
@@ -241,10 +241,10 @@ impl Pool {
                 std::mem::take(&mut *self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
             for pooled in dead {
                 tracing::debug!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
-                remove(&docker, pooled).await;
+                remove(&*docker, pooled).await;
             }
             let target = self.target();
-            self.shrink_to(target, &docker).await;
+            self.shrink_to(target, &*docker).await;
             let yield_until = tokio::time::Instant::now() + YIELD_TO_COLD_STARTS;
             while self.cold_starts.load(Ordering::SeqCst) > 0
                 && tokio::time::Instant::now() < yield_until
@@ -262,7 +262,7 @@ impl Pool {
                 let docker = docker.clone();
                 let config = config.clone();
                 tokio::spawn(async move {
-                    match create_pooled(&docker, &config).await {
+                    match create_pooled(&*docker, &config).await {
                         Ok(pooled) => {
                             let late = {
                                 let mut ready = pool.lock();
@@ -274,7 +274,7 @@ impl Pool {
                                 }
                             };
                             if let Some(pooled) = late {
-                                remove(&docker, pooled).await;
+                                remove(&*docker, pooled).await;
                             }
                         }
                         Err(err) => {
@@ -311,12 +311,12 @@ impl Pool {
         while self.creating.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
             let _ = tokio::time::timeout(Duration::from_millis(100), self.wake.notified()).await;
         }
-        self.drain(&docker).await;
+        self.drain(&*docker).await;
     }
 
     /// Removes every pooled sandbox and its workspace, and those still being started
     /// once they are.
-    pub(crate) async fn drain(&self, docker: &DockerBackend) {
+    pub(crate) async fn drain(&self, docker: &dyn SandboxBackend) {
         let mut drained: Vec<Pooled> = {
             let mut ready = self.lock();
             self.closed.store(true, Ordering::SeqCst);
@@ -336,7 +336,7 @@ impl Pool {
     }
 
     /// Removes the oldest ready sandboxes over `target`, once a burst is forgotten.
-    async fn shrink_to(&self, target: usize, docker: &DockerBackend) {
+    async fn shrink_to(&self, target: usize, docker: &dyn SandboxBackend) {
         let extra: Vec<Pooled> = {
             let mut ready = self.lock();
             let over = ready.len().saturating_sub(target);
@@ -361,20 +361,17 @@ impl Drop for ColdStart {
     }
 }
 
-async fn remove(docker: &DockerBackend, pooled: Pooled) {
+async fn remove(docker: &dyn SandboxBackend, pooled: Pooled) {
     pooled.sandbox.close("the pool is draining");
     docker.remove(&pooled.sandbox.container_id).await;
     let _ = std::fs::remove_dir_all(pooled.workspace.root());
 }
 
-async fn create_pooled(docker: &DockerBackend, config: &Config) -> anyhow::Result<Pooled> {
+async fn create_pooled(docker: &dyn SandboxBackend, config: &Config) -> anyhow::Result<Pooled> {
     let session_id = new_id();
     let workspace = Workspace::new(&config.data_dir, &session_id);
     workspace.create(config.sandbox_uid)?;
-    match docker
-        .create(&session_id, &workspace.files_dir(), true)
-        .await
-    {
+    match docker.create(&session_id, &workspace, true).await {
         Ok(sandbox) => Ok(Pooled {
             session_id,
             workspace,

@@ -27,25 +27,14 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
-/// Directories whose contents are never reported as generated files.
-const SKIPPED_DIRS: &[&str] = &[
-    "__pycache__",
-    "node_modules",
-    ".venv",
-    "venv",
-    ".cache",
-    ".git",
-    ".ipython",
-    ".local",
-    ".config",
-    ".npm",
-    ".matplotlib",
-];
+/// Directories whose contents are never reported as generated files; shared with the
+/// runner, which lists files by the same rules.
+const SKIPPED_DIRS: &[&str] = sandbox_runner::HARVEST_SKIPPED_DIRS;
 
 /// How deep the harvest walks, and how many entries it looks at, so that a sandbox that
 /// creates millions of files cannot stall the broker.
-const MAX_DEPTH: usize = 16;
-const MAX_ENTRIES: usize = 20_000;
+const MAX_DEPTH: usize = sandbox_runner::HARVEST_MAX_DEPTH;
+pub(crate) const MAX_ENTRIES: usize = sandbox_runner::HARVEST_MAX_ENTRIES;
 
 /// One file id: a version of a file in the workspace.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -864,12 +853,23 @@ impl Workspace {
         index: &mut FileIndex,
         limits: HarvestLimits,
     ) -> io::Result<HarvestReport> {
-        let dir = self.open_files()?;
-        let mut found = Vec::new();
-        let mut budget = MAX_ENTRIES;
-        walk(&dir, "", 0, &mut budget, &mut found)?;
+        let mut host = HostFiles {
+            dir: self.open_files()?,
+        };
+        self.harvest_from(&mut host, index, limits)
+    }
+
+    /// [`Workspace::harvest`] of the files `source` finds, into this workspace's blob
+    /// store and index: the same rules whichever way the files are reached.
+    pub(crate) fn harvest_from(
+        &self,
+        source: &mut dyn HarvestSource,
+        index: &mut FileIndex,
+        limits: HarvestLimits,
+    ) -> io::Result<HarvestReport> {
+        let (mut found, truncated) = source.list()?;
         let mut report = HarvestReport::default();
-        if budget == 0 {
+        if truncated {
             report.notes.push(format!(
                 "Only the first {MAX_ENTRIES} entries of /mnt/data were checked for new files"
             ));
@@ -894,8 +894,8 @@ impl Workspace {
                 // A read-only input is never reported as generated. It cannot change while
                 // the broker's uid is not the sandbox's; if it did anyway (the broker runs
                 // as the sandbox uid), say so once: its file id still serves the upload.
-                let same = open_regular(&dir, Path::new(&name))
-                    .and_then(|mut f| copy_hashing(&mut f, &mut io::sink(), limits.max_file_bytes))
+                let same = source
+                    .hash(&name, limits.max_file_bytes)
                     .is_ok_and(|sha| sha.as_deref() == Some(prev.sha256.as_str()));
                 if !same {
                     report.notes.push(format!(
@@ -937,7 +937,7 @@ impl Workspace {
                 noted.insert(key, stamp);
                 continue;
             }
-            let (sha256, size) = match self.store_blob_from(&dir, &name, limits.max_file_bytes) {
+            let (sha256, size) = match source.store_blob(self, &name, limits.max_file_bytes) {
                 Ok(Some(stored)) => stored,
                 Ok(None) => {
                     if !quiet {
@@ -1042,6 +1042,56 @@ impl Workspace {
             ));
         }
         Ok(report)
+    }
+}
+
+/// Where a harvest finds the sandbox's files: the mounted directory on this host
+/// ([`HostFiles`]), or the sandbox's runner (`crate::sandbox::runner_files`).
+pub(crate) trait HarvestSource {
+    /// The regular files below `/mnt/data` with their stamps (hidden and cache entries,
+    /// symlinks and special files left out), and whether the walk stopped at
+    /// [`MAX_ENTRIES`].
+    fn list(&mut self) -> io::Result<(Vec<(String, Stamp)>, bool)>;
+
+    /// SHA-256 of the file `name`; `None` when it has more than `max_bytes`.
+    fn hash(&mut self, name: &str, max_bytes: u64) -> io::Result<Option<String>>;
+
+    /// Copies the file `name` into the blob store of `workspace`, hashing it on the way:
+    /// its hash and size, or `None` (nothing kept) when it has more than `max_bytes`.
+    fn store_blob(
+        &mut self,
+        workspace: &Workspace,
+        name: &str,
+        max_bytes: u64,
+    ) -> io::Result<Option<(String, u64)>>;
+}
+
+/// The sandbox's files read beneath-only from the mounted directory.
+struct HostFiles {
+    /// The opened `files/` directory.
+    dir: Dir,
+}
+
+impl HarvestSource for HostFiles {
+    fn list(&mut self) -> io::Result<(Vec<(String, Stamp)>, bool)> {
+        let mut found = Vec::new();
+        let mut budget = MAX_ENTRIES;
+        walk(&self.dir, "", 0, &mut budget, &mut found)?;
+        Ok((found, budget == 0))
+    }
+
+    fn hash(&mut self, name: &str, max_bytes: u64) -> io::Result<Option<String>> {
+        let mut file = open_regular(&self.dir, Path::new(name))?;
+        copy_hashing(&mut file, &mut io::sink(), max_bytes)
+    }
+
+    fn store_blob(
+        &mut self,
+        workspace: &Workspace,
+        name: &str,
+        max_bytes: u64,
+    ) -> io::Result<Option<(String, u64)>> {
+        workspace.store_blob_from(&self.dir, name, max_bytes)
     }
 }
 

@@ -8,8 +8,10 @@
 //!
 //! This crate's library holds only the protocol; the binary is the runner itself.
 
+pub mod files;
 pub mod language;
 pub mod protocol;
 
+pub use files::*;
 pub use language::Language;
 pub use protocol::*;

@@ -42,6 +42,7 @@ mod sweep;
 mod sys;
 mod tools;
 mod worker;
+mod workspace_files;
 
 use frame::{Channel, Line, Parsed};
 use reaper::Tracker;
@@ -228,7 +229,7 @@ fn main() {
         match line {
             Ok(Line::Frame(line)) => {
                 if !line.trim_ascii().is_empty() {
-                    handle(&line, &chan, &control);
+                    handle(&line, &chan, &control, &cfg.workdir);
                 }
             }
             Ok(Line::TooLong(prefix)) => chan.error(
@@ -256,7 +257,7 @@ fn main() {
 }
 
 /// Acts on one frame from the broker.
-fn handle(line: &[u8], chan: &Channel, control: &Control) {
+fn handle(line: &[u8], chan: &Channel, control: &Control, workdir: &std::path::Path) {
     let (job, msg) = match frame::parse(line) {
         Parsed::Msg(job, msg) => (job, msg),
         Parsed::Bad(job, why) => return chan.error(job, why),
@@ -283,6 +284,36 @@ fn handle(line: &[u8], chan: &Channel, control: &Control) {
         CoordinatorMessage::ToolResult(result) => control.tool_result(job, result),
         // Counted when read; nothing to answer.
         CoordinatorMessage::Heartbeat => {}
+        // File moves are short and come between execs (the broker holds the session's
+        // turn), so they are answered here, in order.
+        CoordinatorMessage::ListFiles(req) => answer(
+            chan,
+            job,
+            workspace_files::list(workdir, &req).map(WorkerMessage::FileList),
+        ),
+        CoordinatorMessage::ReadFile(req) => answer(
+            chan,
+            job,
+            workspace_files::read(workdir, &req).map(WorkerMessage::FileChunk),
+        ),
+        CoordinatorMessage::WriteFile(req) => answer(
+            chan,
+            job,
+            workspace_files::write(workdir, &req).map(WorkerMessage::FileWritten),
+        ),
+        CoordinatorMessage::RemoveFile(req) => answer(
+            chan,
+            job,
+            workspace_files::remove(workdir, &req).map(WorkerMessage::FileRemoved),
+        ),
+    }
+}
+
+/// Sends the answer of a file request, or the error that stopped it.
+fn answer(chan: &Channel, job: sandbox_runner::JobId, result: std::io::Result<WorkerMessage>) {
+    match result {
+        Ok(msg) => chan.send(job, &msg),
+        Err(err) => chan.error(job, err.to_string()),
     }
 }
 

@@ -5,6 +5,10 @@
 //! runner sends on its own (a notice at start-up, a complaint about a frame it could not
 //! parse).
 
+use crate::files::{
+    FileChunk, FileList, FileRemoved, FileWritten, ListFilesRequest, ReadFileRequest,
+    RemoveFileRequest, WriteFileRequest,
+};
 use crate::Language;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -44,6 +48,14 @@ pub enum CoordinatorMessage {
     /// A broker is attached (sent under job 0, periodically); nothing answers it. See
     /// [`UNATTENDED_EXIT_ENV`].
     Heartbeat,
+    /// List the workspace's files (see [`crate::files`]).
+    ListFiles(ListFilesRequest),
+    /// Send a piece of one workspace file.
+    ReadFile(ReadFileRequest),
+    /// Write a piece of one workspace file.
+    WriteFile(WriteFileRequest),
+    /// Remove one workspace file if it is still the version the broker placed.
+    RemoveFile(RemoveFileRequest),
 }
 
 /// A message from the runner to the broker.
@@ -65,13 +77,66 @@ pub enum WorkerMessage {
     /// The request of this job id could not be carried out (or, under job 0, a frame
     /// could not be parsed). The last message of its job.
     Error(WorkerError),
+    /// Answer to [`ListFilesRequest`].
+    FileList(FileList),
+    /// Answer to [`ReadFileRequest`].
+    FileChunk(FileChunk),
+    /// Answer to [`WriteFileRequest`].
+    FileWritten(FileWritten),
+    /// Answer to [`RemoveFileRequest`].
+    FileRemoved(FileRemoved),
 }
 
-/// Ties a request to the message that answers it.
+/// Ties a request to the message that answers it. The broker narrows the message that
+/// ends a job to `Response` through its `TryFrom`, which gives back any other message.
 pub trait Request: Into<CoordinatorMessage> {
     /// The message that ends this request's job.
-    type Response;
+    type Response: TryFrom<WorkerMessage, Error = WorkerMessage>;
 }
+
+/// `TryFrom<WorkerMessage>` for the payload of one variant: the payload, or the message
+/// given back unchanged.
+macro_rules! narrow {
+    ($variant:ident => $payload:ty) => {
+        impl TryFrom<WorkerMessage> for $payload {
+            type Error = WorkerMessage;
+
+            fn try_from(msg: WorkerMessage) -> Result<Self, WorkerMessage> {
+                match msg {
+                    WorkerMessage::$variant(payload) => Ok(payload),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+
+narrow!(Hello => HelloResponse);
+narrow!(ExecDone => ExecResponse);
+narrow!(FileList => crate::files::FileList);
+narrow!(FileChunk => crate::files::FileChunk);
+narrow!(FileWritten => crate::files::FileWritten);
+narrow!(FileRemoved => crate::files::FileRemoved);
+
+/// Ties a request type to its [`CoordinatorMessage`] variant and its answer.
+macro_rules! request {
+    ($request:ty => $variant:ident, $response:ty) => {
+        impl Request for $request {
+            type Response = $response;
+        }
+
+        impl From<$request> for CoordinatorMessage {
+            fn from(r: $request) -> Self {
+                CoordinatorMessage::$variant(r)
+            }
+        }
+    };
+}
+
+request!(crate::files::ListFilesRequest => ListFiles, crate::files::FileList);
+request!(crate::files::ReadFileRequest => ReadFile, crate::files::FileChunk);
+request!(crate::files::WriteFileRequest => WriteFile, crate::files::FileWritten);
+request!(crate::files::RemoveFileRequest => RemoveFile, crate::files::FileRemoved);
 
 /// Checks the runner is alive, and optionally warms it up.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
