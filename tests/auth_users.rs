@@ -116,9 +116,9 @@ async fn cannot_reach(broker: &TestBroker, other: &[(&str, String)], s: &str, f:
 #[tokio::test]
 async fn jwt_users_see_only_their_own_sessions() {
     let broker = TestBroker::start_with("jwt", |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![];
-        c.jwt_public_keys = vec![
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![];
+        c.access.jwt_public_keys = vec![
             lc_ed_public_key(),
             format!("lc-rsa={}", key_path("rsa_a.pub.pem")),
         ];
@@ -220,9 +220,9 @@ async fn jwt_users_see_only_their_own_sessions() {
 #[tokio::test]
 async fn api_key_callers_name_their_users() {
     let broker = TestBroker::start_with("keyusers", |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec!["k1".into()];
-        c.jwt_public_keys = vec![key_path("ed25519_a.pub.pem")];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec!["k1".into()];
+        c.access.jwt_public_keys = vec![key_path("ed25519_a.pub.pem")];
     })
     .await;
     let key = ("x-api-key", "k1".to_string());
@@ -270,9 +270,9 @@ async fn api_key_callers_name_their_users() {
 #[tokio::test]
 async fn body_key_can_be_turned_off() {
     let broker = TestBroker::start_with("bodykey", |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec!["k1".into()];
-        c.body_api_key = false;
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec!["k1".into()];
+        c.access.body_api_key = false;
     })
     .await;
     let a = exec(
@@ -305,8 +305,8 @@ fn retry_after(a: &Answer) -> u64 {
 async fn exec_rate_limit_is_per_user() {
     // One exec every 10 s, one at a time.
     let broker = TestBroker::start_with("rate", |c| {
-        c.rate_execs_per_minute = 6;
-        c.rate_burst = 1;
+        c.caps.rate_execs_per_minute = 6;
+        c.caps.rate_burst = 1;
     })
     .await;
     let alice = [("user-id", "alice".to_string())];
@@ -350,7 +350,7 @@ async fn wait_for_containers(broker: &TestBroker, n: usize) {
 #[tokio::test]
 async fn container_cap_answers_429_while_all_run_code() {
     let broker = TestBroker::start_with("cap", |c| {
-        c.max_containers = ContainerCap::Count(1);
+        c.caps.max_containers = ContainerCap::Count(1);
         c.max_exec_timeout_ms = 10_000;
     })
     .await;
@@ -384,7 +384,7 @@ async fn container_cap_answers_429_while_all_run_code() {
 #[tokio::test]
 async fn live_sessions_per_user_are_capped() {
     let broker = TestBroker::start_with("peruser", |c| {
-        c.max_sessions_per_user = 1;
+        c.caps.max_sessions_per_user = 1;
     })
     .await;
     let alice = [("user-id", "alice".to_string())];
@@ -426,9 +426,9 @@ fn token_minted_ago(sub: &str, age: u64) -> String {
 #[tokio::test]
 async fn a_jwt_is_accepted_at_most_300_seconds_after_it_was_issued() {
     let broker = TestBroker::start_with("jwtlife", |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![];
-        c.jwt_public_keys = vec![lc_ed_public_key()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![];
+        c.access.jwt_public_keys = vec![lc_ed_public_key()];
     })
     .await;
     // iat = now - 320, exp = now - 20: inside the clock-skew leeway of exp, but issued

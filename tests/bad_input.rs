@@ -53,8 +53,8 @@ async fn bad_requests_get_clear_errors() {
 #[tokio::test]
 async fn keys_are_required_when_configured() {
     let broker = TestBroker::start_with("auth", |c| {
-        c.auth = codebroker::config::AuthMode::Key;
-        c.api_key = vec!["k1".into(), "k2".into()];
+        c.access.auth = codebroker::config::AuthMode::Key;
+        c.access.api_key = vec!["k1".into(), "k2".into()];
     })
     .await;
     let body = json!({ "lang": "bash", "code": "echo ok" });

@@ -39,7 +39,7 @@ async fn health(broker: &TestBroker) -> Value {
 #[tokio::test]
 async fn the_cap_evicts_the_least_recently_used_container() {
     let broker = TestBroker::start_with("cap", |c| {
-        c.max_live_sandboxes = 2;
+        c.caps.max_live_sandboxes = 2;
         c.single_use_ttl_secs = 0;
     })
     .await;

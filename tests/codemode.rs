@@ -117,11 +117,11 @@ async fn start(tag: &str) -> (TestBroker, u16) {
     // Only read by the brokers of this file, always with the same value.
     std::env::set_var(ENV_KEY, "forty-two");
     let broker = TestBroker::start_with(tag, move |config| {
-        config.codemode = true;
-        config.codemode_http_allow = vec![format!("127.0.0.1:{http_port}")];
-        config.codemode_env_allow = vec![ENV_KEY.to_string()];
-        config.codemode_mcp_servers = vec![format!("up=http://127.0.0.1:{mcp_port}/mcp")];
-        config.codemode_timeout_ms = 8_000;
+        config.code_mode.codemode = true;
+        config.code_mode.codemode_http_allow = vec![format!("127.0.0.1:{http_port}")];
+        config.code_mode.codemode_env_allow = vec![ENV_KEY.to_string()];
+        config.code_mode.codemode_mcp_servers = vec![format!("up=http://127.0.0.1:{mcp_port}/mcp")];
+        config.code_mode.codemode_timeout_ms = 8_000;
     })
     .await;
     (broker, http_port)
@@ -384,9 +384,10 @@ async fn stdio_upstream_servers_are_called() {
     let script = dir.path().join("server.py");
     std::fs::write(&script, STDIO_SERVER).expect("write");
     let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
-    config.codemode = true;
-    config.codemode_mcp_servers = vec![format!("echo=stdio:python3 {}", script.display())];
-    let mode = codebroker::codemode::CodeMode::new(&config);
+    config.code_mode.codemode = true;
+    config.code_mode.codemode_mcp_servers =
+        vec![format!("echo=stdio:python3 {}", script.display())];
+    let mode = codebroker::codemode::CodeMode::new(&config.code_mode);
     let specs = mode.specs().await;
     assert!(specs.iter().any(|s| s.name == "echo.echo"), "{specs:?}");
     let result = mode
@@ -425,13 +426,13 @@ async fn upstream_servers_are_reconnected() {
     let ready = dir.path().join("ready");
     std::fs::write(&script, STDIO_SERVER).expect("write");
     let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
-    config.codemode = true;
-    config.codemode_mcp_servers = vec![format!(
+    config.code_mode.codemode = true;
+    config.code_mode.codemode_mcp_servers = vec![format!(
         "echo=stdio:python3 {} {}",
         script.display(),
         ready.display()
     )];
-    let mode = codebroker::codemode::CodeMode::new(&config);
+    let mode = codebroker::codemode::CodeMode::new(&config.code_mode);
 
     // Down: its tools are not offered, and a call says why it fails.
     assert!(!mode.specs().await.iter().any(|s| s.name == "echo.echo"));

@@ -36,9 +36,9 @@ fn key_user(user: &str) -> Headers {
 /// A broker taking the key and LibreChat's JWTs.
 async fn keyed(tag: &str, adjust: impl FnOnce(&mut codebroker::config::Config)) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![KEY.into()];
-        c.jwt_public_keys = vec![lc_ed_public_key()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![KEY.into()];
+        c.access.jwt_public_keys = vec![lc_ed_public_key()];
         adjust(c);
     })
     .await
@@ -320,7 +320,7 @@ fn lobe_session(markdown: &str) -> String {
 /// budget), nor go back to a named user's session by its id.
 #[tokio::test]
 async fn lobe_models_do_not_choose_the_user() {
-    let broker = keyed("authz-lobe", |c| c.rate_execs_per_minute = 2).await;
+    let broker = keyed("authz-lobe", |c| c.caps.rate_execs_per_minute = 2).await;
     for _ in 0..2 {
         let (status, md) = lobe(
             &broker,
@@ -433,10 +433,10 @@ async fn local_http(ip: &str, away: u16) -> u16 {
 /// `codemode.http.fetch({url})` as the sandbox calls it, on a code mode made from `allow`.
 async fn fetch(allow: &[String], allow_private: bool, url: &str) -> sandbox_runner::ToolResult {
     let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
-    config.codemode = true;
-    config.codemode_http_allow = allow.to_vec();
-    config.codemode_http_allow_private = allow_private;
-    let mode = codebroker::codemode::CodeMode::new(&config);
+    config.code_mode.codemode = true;
+    config.code_mode.codemode_http_allow = allow.to_vec();
+    config.code_mode.codemode_http_allow_private = allow_private;
+    let mode = codebroker::codemode::CodeMode::new(&config.code_mode);
     mode.serve(sandbox_runner::ToolCall {
         call_id: "c1".into(),
         name: "http.fetch".into(),

@@ -249,7 +249,7 @@ async fn the_shipped_caps_are_on_and_derived_from_the_hosts_memory() {
         &instance,
     ])
     .expect("defaults");
-    assert_eq!(config.rate_execs_per_minute, 120);
+    assert_eq!(config.caps.rate_execs_per_minute, 120);
     let broker = codebroker::build(config).await.expect("broker");
     let cap = documented_container_cap();
     assert!(cap >= 2);

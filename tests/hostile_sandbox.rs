@@ -164,7 +164,7 @@ async fn a_python_fork_loop_is_contained() {
 
 #[tokio::test]
 async fn a_multiprocessing_pool_under_memory_pressure_reports_out_of_memory() {
-    let arena = Arena::start_with("mppool", |c| c.memory_mb = 256).await;
+    let arena = Arena::start_with("mppool", |c| c.sandbox.memory_mb = 256).await;
     let s = arena.victim().await;
     let code = "import multiprocessing as mp\n\
 def grab(i):\n    x = []\n    while True:\n        x.append(bytearray(8 * 1024 * 1024))\n\
@@ -276,7 +276,7 @@ async fn closing_every_fd_of_the_kernel_is_contained() {
 
 #[tokio::test]
 async fn nproc_reports_no_more_cpus_than_the_limit() {
-    let arena = Arena::start_with("nproc", |c| c.cpus = 1.0).await;
+    let arena = Arena::start_with("nproc", |c| c.sandbox.cpus = 1.0).await;
     let s = arena.victim().await;
     let resp = arena
         .attack(
@@ -307,7 +307,7 @@ async fn nproc_reports_no_more_cpus_than_the_limit() {
 
 #[tokio::test]
 async fn a_memory_bomb_reports_out_of_memory_and_the_runner_survives() {
-    let arena = Arena::start_with("membomb", |c| c.memory_mb = 256).await;
+    let arena = Arena::start_with("membomb", |c| c.sandbox.memory_mb = 256).await;
     let s = arena.victim().await;
     let container = arena.broker.containers();
     let resp = arena
@@ -341,7 +341,7 @@ async fn a_memory_bomb_reports_out_of_memory_and_the_runner_survives() {
 
 #[tokio::test]
 async fn a_sandbox_killed_after_an_out_of_memory_is_not_reported_as_one() {
-    let arena = Arena::start_with("oomthenkill", |c| c.memory_mb = 256).await;
+    let arena = Arena::start_with("oomthenkill", |c| c.sandbox.memory_mb = 256).await;
     let s = arena.victim().await;
     // An OOM kill first: the engine's `OOMKilled` stays set for the container's life
     // (under runc the runner survives it; under runsc the sandbox is replaced).
@@ -461,8 +461,8 @@ const MAX_FILES: u64 = 2000;
 
 async fn quota_arena(tag: &str) -> Arena {
     Arena::start_with(tag, |c| {
-        c.workspace_quota = QUOTA;
-        c.workspace_max_files = MAX_FILES;
+        c.sandbox.workspace_quota = QUOTA;
+        c.sandbox.workspace_max_files = MAX_FILES;
     })
     .await
 }
@@ -623,8 +623,8 @@ async fn a_workspace_file_count_cap_stops_file_floods() {
 /// Fills a tmpfs: `No space left on device` reported, next exec fine, space freed.
 async fn fill_tmpfs(tag: &str, dir: &str) {
     let arena = Arena::start_with(tag, |c| {
-        c.tmp_mb = 32;
-        c.shm_mb = 16;
+        c.sandbox.tmp_mb = 32;
+        c.sandbox.shm_mb = 16;
     })
     .await;
     let s = arena.victim().await;
@@ -661,7 +661,7 @@ async fn filling_dev_shm_stops_at_its_size() {
 
 #[tokio::test]
 async fn a_million_files_in_tmp_is_contained() {
-    let arena = Arena::start_with("inodes-tmp", |c| c.tmp_mb = 32).await;
+    let arena = Arena::start_with("inodes-tmp", |c| c.sandbox.tmp_mb = 32).await;
     let s = arena.victim().await;
     let code = "mkdir -p /tmp/many && cd /tmp/many && python3 -c '\nimport os\nfor i in range(1000000):\n    open(str(i), \"w\").close()'";
     let resp = arena.attack(&s, "bash", code, 20000).await;
@@ -700,8 +700,8 @@ async fn a_huge_sparse_file_is_neither_read_nor_hashed() {
     // With no file size limit and no quota, the file is made (10 TiB: ext4 allows no
     // more than 16), and the broker neither reads nor hashes it.
     let arena = Arena::start_with("sparse-nofsize", |c| {
-        c.fsize_mb = 1 << 30;
-        c.workspace_quota = 0;
+        c.sandbox.fsize_mb = 1 << 30;
+        c.sandbox.workspace_quota = 0;
     })
     .await;
     let s = arena.victim().await;
@@ -734,8 +734,8 @@ async fn new_sessions_are_refused_when_the_data_volume_is_low() {
     let (instance, data) = (first.instance.clone(), first.data.clone());
     let _tmp = first.stop().await;
     let mut config = codebroker::config::Config::for_tests(data, &instance);
-    config.pool_size = 0;
-    config.min_free_disk = u64::MAX / 2;
+    config.pool.pool_size = 0;
+    config.caps.min_free_disk = u64::MAX / 2;
     let broker = TestBroker::serve(config).await;
 
     let (status, resp) = broker

@@ -198,7 +198,7 @@ async fn oversized_files_are_noted_in_one_bounded_line() {
 /// in `files`, not listed, said once, and not noted again while it stays unchanged.
 #[tokio::test]
 async fn a_new_version_over_the_budget_is_not_kept_and_said_once() {
-    let broker = TestBroker::start_with("refuse", |c| c.session_storage = 16 * MIB).await;
+    let broker = TestBroker::start_with("refuse", |c| c.caps.session_storage = 16 * MIB).await;
     let made = broker.run("py", &rewrite(3, 6), None).await;
     let s = session(&made);
     let names: Vec<String> = files_of(&made).into_iter().map(|(n, _)| n).collect();
@@ -249,7 +249,7 @@ async fn a_new_version_over_the_budget_is_not_kept_and_said_once() {
 /// The user's budget counts all their sessions; other users are not affected.
 #[tokio::test]
 async fn the_users_budget_spans_their_sessions() {
-    let broker = TestBroker::start_with("user-budget", |c| c.user_storage = 16 * MIB).await;
+    let broker = TestBroker::start_with("user-budget", |c| c.caps.user_storage = 16 * MIB).await;
     let exec = |user: &str| json!({ "lang": "py", "code": rewrite(1, 10), "user_id": user });
     let (status, first) = broker.exec(exec("u1")).await;
     assert_eq!(status, 200, "{first}");
@@ -324,7 +324,8 @@ fn noise(len: usize, seed: u8) -> Vec<u8> {
 /// new version of an uploaded file replaces the old one.
 #[tokio::test]
 async fn an_upload_over_the_budget_is_refused_with_413() {
-    let broker = TestBroker::start_with("upload-budget", |c| c.session_storage = 16 * MIB).await;
+    let broker =
+        TestBroker::start_with("upload-budget", |c| c.caps.session_storage = 16 * MIB).await;
     let (status, first) = upload(&broker, None, "a.bin", noise(10 << 20, 1)).await;
     assert_eq!(status, 200, "{first}");
     let s = first["session_id"].as_str().expect("session").to_string();
@@ -355,7 +356,7 @@ async fn an_upload_over_the_budget_is_refused_with_413() {
 /// left unnamed are removed then, so the count and the disk agree.
 #[tokio::test]
 async fn the_budget_holds_across_a_restart() {
-    let first = TestBroker::start_with("restart", |c| c.session_storage = 16 * MIB).await;
+    let first = TestBroker::start_with("restart", |c| c.caps.session_storage = 16 * MIB).await;
     let made = first.run("py", &rewrite(2, 6), None).await;
     assert_eq!(files_of(&made).len(), 2, "{made}");
     let s = session(&made);
@@ -368,8 +369,8 @@ async fn the_budget_holds_across_a_restart() {
     let _tmp = first.stop().await;
 
     let mut config = codebroker::config::Config::for_tests(data, &instance);
-    config.pool_size = 0;
-    config.session_storage = 16 * MIB;
+    config.pool.pool_size = 0;
+    config.caps.session_storage = 16 * MIB;
     let second = TestBroker::serve(config).await;
     assert!(
         !blobs.join("0".repeat(64)).exists() && !blobs.join(".tmp-leftover").exists(),

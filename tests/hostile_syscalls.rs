@@ -82,7 +82,7 @@ async fn kernel_interfaces_sandboxed_code_never_needs_are_refused() {
 #[tokio::test]
 async fn the_daemon_profile_can_be_chosen_instead() {
     let broker = TestBroker::start_with("syscalls-daemon", |c| {
-        c.seccomp = codebroker::config::SeccompChoice::Daemon;
+        c.sandbox.seccomp = codebroker::config::SeccompChoice::Daemon;
     })
     .await;
     let out = broker.run("py", PROBE, None).await;
@@ -107,7 +107,7 @@ async fn the_daemon_profile_can_be_chosen_instead() {
 #[tokio::test]
 async fn no_new_privileges_and_a_private_cgroup_namespace_hold_without_dropping_capabilities() {
     let broker = TestBroker::start_with("syscalls-caps", |c| {
-        c.drop_capabilities = false;
+        c.sandbox.drop_capabilities = false;
     })
     .await;
     let out = broker

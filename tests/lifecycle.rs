@@ -132,7 +132,7 @@ async fn a_restarted_broker_finds_its_containers() {
     );
 
     let mut config = Config::for_tests(data, &instance);
-    config.pool_size = 0;
+    config.pool.pool_size = 0;
     let second = TestBroker::serve(config).await;
     let next = second.run("py", "print(x + 1)", Some(&s)).await;
     assert_eq!(stdout(&next).trim(), "42", "{next}");
@@ -147,7 +147,7 @@ async fn a_restarted_broker_finds_its_containers() {
 
 #[tokio::test]
 async fn new_sessions_come_from_the_pool() {
-    let broker = TestBroker::start_with("pool", |c| c.pool_size = 1).await;
+    let broker = TestBroker::start_with("pool", |c| c.pool.pool_size = 1).await;
     broker.wait_for_pool(1).await;
     let resp = broker.run("py", "print(1)", None).await;
     assert_eq!(stdout(&resp).trim(), "1");
@@ -169,8 +169,8 @@ async fn new_sessions_come_from_the_pool() {
 #[tokio::test]
 async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() {
     let first = TestBroker::start_with("pool-hand", |c| {
-        c.pool_size = 1;
-        c.pool_max = 1;
+        c.pool.pool_size = 1;
+        c.pool.pool_max = 1;
     })
     .await;
     first.wait_for_pool(1).await;
@@ -220,7 +220,7 @@ async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() 
     let data = first.data.clone();
     let tmp = first.stop().await;
     let mut config = Config::for_tests(data, &instance);
-    config.pool_size = 0;
+    config.pool.pool_size = 0;
     let second = TestBroker::serve(config).await;
     let next = second.run("py", "print(x * 2)", Some(&s)).await;
     assert_eq!(stdout(&next), "18\n", "{next}");
@@ -237,8 +237,8 @@ async fn an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart() 
 #[tokio::test]
 async fn the_pool_grows_after_a_burst_of_new_sessions() {
     let broker = TestBroker::start_with("pool-grow", |c| {
-        c.pool_size = 1;
-        c.pool_max = 3;
+        c.pool.pool_size = 1;
+        c.pool.pool_max = 3;
     })
     .await;
     broker.wait_for_pool(1).await;
@@ -261,8 +261,8 @@ async fn the_pool_grows_after_a_burst_of_new_sessions() {
 #[tokio::test]
 async fn a_dead_pooled_container_is_removed_and_replaced() {
     let broker = TestBroker::start_with("pool-dead", |c| {
-        c.pool_size = 1;
-        c.pool_max = 1;
+        c.pool.pool_size = 1;
+        c.pool.pool_max = 1;
     })
     .await;
     broker.wait_for_pool(1).await;

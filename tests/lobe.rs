@@ -15,8 +15,8 @@ const PUBLIC: &str = "http://127.0.0.1:8000";
 
 async fn keyed_broker(tag: &str) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![KEY.into()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![KEY.into()];
     })
     .await
 }

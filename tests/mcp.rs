@@ -282,8 +282,8 @@ async fn upload_list_and_read_round_trip() {
 #[tokio::test]
 async fn mcp_needs_the_key_and_an_allowed_host() {
     let broker = TestBroker::start_with("mcp-auth", |c| {
-        c.auth = codebroker::config::AuthMode::Key;
-        c.api_key = vec![KEY.into()];
+        c.access.auth = codebroker::config::AuthMode::Key;
+        c.access.api_key = vec![KEY.into()];
     })
     .await;
     assert!(connect(&broker, None).await.is_err());
@@ -342,8 +342,8 @@ async fn mcp_needs_the_key_and_an_allowed_host() {
 #[tokio::test]
 async fn a_jwt_user_sees_only_their_own_sessions_over_mcp() {
     let broker = TestBroker::start_with("mcp-jwt", |c| {
-        c.auth = codebroker::config::AuthMode::Key;
-        c.jwt_public_keys = vec![common::jwt::lc_ed_public_key()];
+        c.access.auth = codebroker::config::AuthMode::Key;
+        c.access.jwt_public_keys = vec![common::jwt::lc_ed_public_key()];
     })
     .await;
     let alice = connect(&broker, Some(&jwt("alice"))).await.expect("alice");
@@ -401,7 +401,7 @@ async fn open_mcp_sessions_do_not_hold_up_shutdown() {
 
 #[tokio::test]
 async fn mcp_sessions_are_capped() {
-    let broker = TestBroker::start_with("mcpcap", |c| c.max_mcp_sessions = 3).await;
+    let broker = TestBroker::start_with("mcpcap", |c| c.caps.max_mcp_sessions = 3).await;
     let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {},
         "clientInfo": {"name": "curl", "version": "1"}}});

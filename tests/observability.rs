@@ -16,8 +16,8 @@ const KEY: &str = "obs-key";
 /// A broker that requires `KEY`.
 async fn keyed(tag: &str, adjust: impl FnOnce(&mut codebroker::config::Config)) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![KEY.to_string()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![KEY.to_string()];
         adjust(c);
     })
     .await

@@ -10,8 +10,8 @@ const KEY: &str = "smoke-test-key";
 
 async fn keyed() -> TestBroker {
     TestBroker::start_with("smoke", |c| {
-        c.auth = codebroker::config::AuthMode::Key;
-        c.api_key = vec![KEY.to_string()];
+        c.access.auth = codebroker::config::AuthMode::Key;
+        c.access.api_key = vec![KEY.to_string()];
     })
     .await
 }

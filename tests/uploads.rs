@@ -268,7 +268,7 @@ async fn objects_and_deletion() {
 
 #[tokio::test]
 async fn bad_uploads_are_refused_and_nothing_is_lost() {
-    let broker = TestBroker::start_with("badupload", |c| c.max_upload_mb = 1).await;
+    let broker = TestBroker::start_with("badupload", |c| c.caps.max_upload_mb = 1).await;
     for bad in ["../../etc/x", "/etc/passwd", "a/../../b"] {
         let (status, body) = upload(
             &broker,

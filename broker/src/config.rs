@@ -1,5 +1,7 @@
-//! Every setting of the broker: one struct, read from flags and `CODEBROKER_*` variables.
-//! The doc comments are the `--help` text.
+//! Long: one doc comment per setting, and those comments are the `--help` text.
+//!
+//! Every setting of the broker: one struct with a flattened group per component, read from
+//! flags and `CODEBROKER_*` variables. The doc comments are the `--help` text.
 
 use clap::Parser;
 use std::net::SocketAddr;
@@ -13,19 +15,9 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_LISTEN", default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
 
-    /// API key(s) clients must send (`X-API-Key`, `Authorization: Bearer`), comma-separated.
-    #[arg(
-        long,
-        env = "CODEBROKER_API_KEY",
-        value_delimiter = ',',
-        hide_env_values = true
-    )]
-    pub api_key: Vec<String>,
-
-    /// Authentication mode: `key` (the default; refuses to start without a key) or `none`
-    /// (anyone who can reach the port may run code).
-    #[arg(long, env = "CODEBROKER_AUTH", default_value = "key")]
-    pub auth: AuthMode,
+    /// Who may call the broker: API keys and JWTs.
+    #[command(flatten)]
+    pub access: AuthConfig,
 
     /// Directory holding every session's workspace and file index. Bind mounts name it on
     /// the host, so when the broker runs in a container it must have the same path inside
@@ -33,13 +25,9 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
 
-    /// The sandbox image every session's container starts from.
-    #[arg(
-        long,
-        env = "CODEBROKER_IMAGE",
-        default_value = "codebroker-sandbox:latest"
-    )]
-    pub image: String,
+    /// The sandbox profile: image, resources, confinement.
+    #[command(flatten)]
+    pub sandbox: SandboxProfile,
 
     /// Name of this broker; containers carry it as a label so that a restarted broker
     /// finds its own and leaves other brokers' alone.
@@ -83,6 +71,132 @@ pub struct Config {
     /// dropped (a file is then named but not inlined).
     #[arg(long, env = "CODEBROKER_MAX_DISPLAY_BYTES", default_value = "8MiB", value_parser = parse_size)]
     pub max_display_bytes: u64,
+
+    /// Caps on what callers may take of the host.
+    #[command(flatten)]
+    pub caps: Caps,
+
+    /// Seconds a session's container may sit idle before it is removed (its files stay).
+    #[arg(long, env = "CODEBROKER_IDLE_TTL_SECS", default_value_t = 600)]
+    pub idle_ttl_secs: u64,
+
+    /// How often the reaper looks for idle containers, in seconds.
+    #[arg(long, env = "CODEBROKER_REAP_INTERVAL_SECS", default_value_t = 10)]
+    pub reap_interval_secs: u64,
+
+    /// The pool of ready containers.
+    #[command(flatten)]
+    pub pool: PoolConfig,
+
+    /// Seconds a container whose session ran only one exec may sit idle (0: only the idle
+    /// TTL applies). Clients that send no session id start a session per call, and most
+    /// are never used again.
+    #[arg(long, env = "CODEBROKER_SINGLE_USE_TTL_SECS", default_value_t = 30)]
+    pub single_use_ttl_secs: u64,
+
+    /// Seconds a file version is kept after it was written or uploaded; then its id answers
+    /// 404 and its space is freed (LibreChat re-uploads after 23 hours).
+    #[arg(long, env = "CODEBROKER_FILE_TTL_SECS", default_value_t = 86_400)]
+    pub file_ttl_secs: u64,
+
+    /// Seconds a client has to send a request's headers (and, without a credential header,
+    /// its body); an idle keep-alive connection is closed after the same time. A response
+    /// under way (a long exec, a stream) is never cut.
+    #[arg(
+        long,
+        env = "CODEBROKER_HEADER_READ_TIMEOUT_SECS",
+        default_value_t = 20
+    )]
+    pub header_read_timeout_secs: u64,
+
+    /// Most files one exec reports as generated; the rest are named in stderr.
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILES", default_value_t = 50)]
+    pub max_output_files: usize,
+
+    /// Largest generated file reported, in MiB; larger ones are named in stderr.
+    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10, value_parser = mebibytes(0))]
+    pub max_output_file_mb: u64,
+
+    /// Seconds a stopping broker (SIGTERM, ctrl-c) lets running requests finish after it
+    /// stops taking new ones; then it stops anyway.
+    #[arg(long, env = "CODEBROKER_SHUTDOWN_GRACE", default_value_t = 30, value_parser = secs())]
+    pub shutdown_grace: u64,
+
+    /// What a stopping broker does with session containers: `keep` leaves them for the next
+    /// start to re-attach to (Python state survives a restart or an upgrade), `remove`
+    /// removes them (nothing keeps running unsupervised). Pooled containers are always
+    /// removed.
+    #[arg(
+        long,
+        env = "CODEBROKER_SHUTDOWN_CONTAINERS",
+        default_value = "keep",
+        value_enum
+    )]
+    pub shutdown_containers: ShutdownContainers,
+
+    /// How files move between the broker and a sandbox: `host` reads and writes the
+    /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
+    /// `runner` goes through the sandbox's runner over its channel and never touches that
+    /// directory (the path of a backend whose sandboxes run on other machines).
+    #[arg(
+        long,
+        env = "CODEBROKER_FILE_TRANSFER",
+        default_value = "host",
+        value_enum
+    )]
+    pub file_transfer: FileTransfer,
+
+    /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
+    /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
+    /// URL, start with it.
+    #[arg(
+        long,
+        env = "CODEBROKER_PUBLIC_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub public_url: String,
+
+    /// `Host` header values `/mcp` accepts (`name` or `name:port`), comma-separated, against
+    /// DNS rebinding; the host of CODEBROKER_PUBLIC_URL is always accepted, and `*` accepts
+    /// any. Add the name clients use (a compose service name, a proxy's host). Under
+    /// CODEBROKER_AUTH=none every route checks `Host` and a browser's `Origin` against it.
+    #[arg(
+        long,
+        env = "CODEBROKER_MCP_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        default_value = "localhost,127.0.0.1,::1"
+    )]
+    pub mcp_allowed_hosts: Vec<String>,
+
+    /// Code mode: its functions and their limits.
+    #[command(flatten)]
+    pub code_mode: CodeModeConfig,
+
+    /// Log format: `text` or `json`.
+    #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
+    pub log_format: String,
+
+    /// Append-only JSONL audit log (one record per session create, exec, upload, download,
+    /// delete and expiry), so who ran what can be traced later; empty: off.
+    #[arg(long, env = "CODEBROKER_AUDIT_LOG", default_value = "")]
+    pub audit_log: String,
+
+    /// Put the code itself in the audit log's exec records; off, only its SHA-256 is kept,
+    /// which proves what ran without storing users' code.
+    #[arg(long, env = "CODEBROKER_AUDIT_CODE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub audit_code: bool,
+}
+
+/// What every sandbox container is: its image, its resources and its confinement.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SandboxProfile {
+    /// The sandbox image every session's container starts from.
+    #[arg(
+        long,
+        env = "CODEBROKER_IMAGE",
+        default_value = "codebroker-sandbox:latest"
+    )]
+    pub image: String,
 
     /// Memory limit of a sandbox, in MiB (swap is not allowed on top of it).
     #[arg(long, env = "CODEBROKER_MEMORY_MB", default_value_t = 1024, value_parser = mebibytes(6))]
@@ -128,12 +242,6 @@ pub struct Config {
     )]
     pub workspace_max_files: u64,
 
-    /// Free space the data directory's volume must have for a new session to start, as for
-    /// the quota (`1GiB`); below it new sessions get 503, existing ones keep running.
-    /// 0: never refuse.
-    #[arg(long, env = "CODEBROKER_MIN_FREE_DISK", default_value = "1GiB", value_parser = parse_size)]
-    pub min_free_disk: u64,
-
     /// Uid and gid the sandboxed code runs as, owner of what the code creates. Not the
     /// broker's own uid: then the code could change read-only uploads.
     #[arg(long, env = "CODEBROKER_SANDBOX_UID", default_value_t = 10001)]
@@ -165,15 +273,11 @@ pub struct Config {
     /// (runc). A user-space kernel is what stands between code and a host kernel bug.
     #[arg(long, env = "CODEBROKER_RUNTIME", default_value = "")]
     pub runtime: String,
+}
 
-    /// Seconds a session's container may sit idle before it is removed (its files stay).
-    #[arg(long, env = "CODEBROKER_IDLE_TTL_SECS", default_value_t = 600)]
-    pub idle_ttl_secs: u64,
-
-    /// How often the reaper looks for idle containers, in seconds.
-    #[arg(long, env = "CODEBROKER_REAP_INTERVAL_SECS", default_value_t = 10)]
-    pub reap_interval_secs: u64,
-
+/// The pool of started containers kept ready for new sessions.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PoolConfig {
     /// Started containers kept ready for new sessions (0 turns the pool off).
     #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
@@ -189,23 +293,23 @@ pub struct Config {
     /// not stall the engine for the sessions already running.
     #[arg(long, env = "CODEBROKER_POOL_REFILL_CONCURRENCY", default_value_t = 2)]
     pub pool_refill_concurrency: usize,
+}
+
+/// What one user, or every caller together, may take of the host: rates, sessions,
+/// containers, storage, connections and request sizes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Caps {
+    /// Free space the data directory's volume must have for a new session to start, as for
+    /// the quota (`1GiB`); below it new sessions get 503, existing ones keep running.
+    /// 0: never refuse.
+    #[arg(long, env = "CODEBROKER_MIN_FREE_DISK", default_value = "1GiB", value_parser = parse_size)]
+    pub min_free_disk: u64,
 
     /// Session containers kept alive at once (0: no cap). Starting one more removes the
     /// least recently used idle one (its files stay; its next exec starts a new container).
     /// Unlike CODEBROKER_MAX_CONTAINERS this never refuses a request.
     #[arg(long, env = "CODEBROKER_MAX_LIVE_SANDBOXES", default_value_t = 64)]
     pub max_live_sandboxes: usize,
-
-    /// Seconds a container whose session ran only one exec may sit idle (0: only the idle
-    /// TTL applies). Clients that send no session id start a session per call, and most
-    /// are never used again.
-    #[arg(long, env = "CODEBROKER_SINGLE_USE_TTL_SECS", default_value_t = 30)]
-    pub single_use_ttl_secs: u64,
-
-    /// Seconds a file version is kept after it was written or uploaded; then its id answers
-    /// 404 and its space is freed (LibreChat re-uploads after 23 hours).
-    #[arg(long, env = "CODEBROKER_FILE_TTL_SECS", default_value_t = 86_400)]
-    pub file_ttl_secs: u64,
 
     /// Most the broker keeps of one session's file versions (the copies that file ids
     /// download from, uploads included), as for the quota (`256MiB`). A new version that
@@ -238,16 +342,6 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MAX_CONNECTIONS", default_value_t = 512)]
     pub max_connections: usize,
 
-    /// Seconds a client has to send a request's headers (and, without a credential header,
-    /// its body); an idle keep-alive connection is closed after the same time. A response
-    /// under way (a long exec, a stream) is never cut.
-    #[arg(
-        long,
-        env = "CODEBROKER_HEADER_READ_TIMEOUT_SECS",
-        default_value_t = 20
-    )]
-    pub header_read_timeout_secs: u64,
-
     /// Request bytes the broker reads at once from callers that sent no credential header,
     /// looking for LibreChat 0.8.5's key in the JSON body (CODEBROKER_BODY_API_KEY), as for
     /// the quota (`32MiB`). Further such requests wait for room (up to
@@ -259,63 +353,6 @@ pub struct Config {
     /// it has been idle for an hour; over the cap, `initialize` gets 503.
     #[arg(long, env = "CODEBROKER_MAX_MCP_SESSIONS", default_value_t = 1024)]
     pub max_mcp_sessions: usize,
-
-    /// Most files one exec reports as generated; the rest are named in stderr.
-    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILES", default_value_t = 50)]
-    pub max_output_files: usize,
-
-    /// Largest generated file reported, in MiB; larger ones are named in stderr.
-    #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILE_MB", default_value_t = 10, value_parser = mebibytes(0))]
-    pub max_output_file_mb: u64,
-
-    /// Seconds a stopping broker (SIGTERM, ctrl-c) lets running requests finish after it
-    /// stops taking new ones; then it stops anyway.
-    #[arg(long, env = "CODEBROKER_SHUTDOWN_GRACE", default_value_t = 30, value_parser = secs())]
-    pub shutdown_grace: u64,
-
-    /// What a stopping broker does with session containers: `keep` leaves them for the next
-    /// start to re-attach to (Python state survives a restart or an upgrade), `remove`
-    /// removes them (nothing keeps running unsupervised). Pooled containers are always
-    /// removed.
-    #[arg(
-        long,
-        env = "CODEBROKER_SHUTDOWN_CONTAINERS",
-        default_value = "keep",
-        value_enum
-    )]
-    pub shutdown_containers: ShutdownContainers,
-
-    /// How files move between the broker and a sandbox: `host` reads and writes the
-    /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
-    /// `runner` goes through the sandbox's runner over its channel and never touches that
-    /// directory (the path of a backend whose sandboxes run on other machines).
-    #[arg(
-        long,
-        env = "CODEBROKER_FILE_TRANSFER",
-        default_value = "host",
-        value_enum
-    )]
-    pub file_transfer: FileTransfer,
-
-    /// Public keys that verify LibreChat-minted JWTs (`Authorization: Bearer <JWT>`),
-    /// comma-separated: each a PEM file path or an inline PEM (`\n` escapes allowed),
-    /// optionally named by the tokens' `kid` header as `kid=path`. Ed25519 keys verify
-    /// EdDSA tokens, RSA keys RS256. Empty: JWTs are not accepted.
-    #[arg(long, env = "CODEBROKER_JWT_PUBLIC_KEYS", value_delimiter = ',')]
-    pub jwt_public_keys: Vec<String>,
-
-    /// The `iss` claim a JWT must carry (LibreChat's default).
-    #[arg(long, env = "CODEBROKER_JWT_ISSUER", default_value = "librechat")]
-    pub jwt_issuer: String,
-
-    /// The `aud` claim a JWT must carry (LibreChat's default).
-    #[arg(long, env = "CODEBROKER_JWT_AUDIENCE", default_value = "codeapi")]
-    pub jwt_audience: String,
-
-    /// Accept the API key in the `LIBRECHAT_CODE_API_KEY` field of a JSON body (LibreChat
-    /// 0.8.5 sends it there instead of a header).
-    #[arg(long, env = "CODEBROKER_BODY_API_KEY", default_value_t = true, action = clap::ArgAction::Set)]
-    pub body_api_key: bool,
 
     /// Execs each user may start per minute, uploads that create a session included (0:
     /// no limit). Callers that name no user share one budget. Over it: 429 with
@@ -347,29 +384,50 @@ pub struct Config {
     /// with `retry_after_seconds`.
     #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value = "auto")]
     pub max_containers: ContainerCap,
+}
 
-    /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
-    /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
-    /// URL, start with it.
+/// How callers prove who they are: API keys, JWTs, the mode.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuthConfig {
+    /// API key(s) clients must send (`X-API-Key`, `Authorization: Bearer`), comma-separated.
     #[arg(
         long,
-        env = "CODEBROKER_PUBLIC_URL",
-        default_value = "http://127.0.0.1:8000"
-    )]
-    pub public_url: String,
-
-    /// `Host` header values `/mcp` accepts (`name` or `name:port`), comma-separated, against
-    /// DNS rebinding; the host of CODEBROKER_PUBLIC_URL is always accepted, and `*` accepts
-    /// any. Add the name clients use (a compose service name, a proxy's host). Under
-    /// CODEBROKER_AUTH=none every route checks `Host` and a browser's `Origin` against it.
-    #[arg(
-        long,
-        env = "CODEBROKER_MCP_ALLOWED_HOSTS",
+        env = "CODEBROKER_API_KEY",
         value_delimiter = ',',
-        default_value = "localhost,127.0.0.1,::1"
+        hide_env_values = true
     )]
-    pub mcp_allowed_hosts: Vec<String>,
+    pub api_key: Vec<String>,
 
+    /// Authentication mode: `key` (the default; refuses to start without a key) or `none`
+    /// (anyone who can reach the port may run code).
+    #[arg(long, env = "CODEBROKER_AUTH", default_value = "key")]
+    pub auth: AuthMode,
+
+    /// Public keys that verify LibreChat-minted JWTs (`Authorization: Bearer <JWT>`),
+    /// comma-separated: each a PEM file path or an inline PEM (`\n` escapes allowed),
+    /// optionally named by the tokens' `kid` header as `kid=path`. Ed25519 keys verify
+    /// EdDSA tokens, RSA keys RS256. Empty: JWTs are not accepted.
+    #[arg(long, env = "CODEBROKER_JWT_PUBLIC_KEYS", value_delimiter = ',')]
+    pub jwt_public_keys: Vec<String>,
+
+    /// The `iss` claim a JWT must carry (LibreChat's default).
+    #[arg(long, env = "CODEBROKER_JWT_ISSUER", default_value = "librechat")]
+    pub jwt_issuer: String,
+
+    /// The `aud` claim a JWT must carry (LibreChat's default).
+    #[arg(long, env = "CODEBROKER_JWT_AUDIENCE", default_value = "codeapi")]
+    pub jwt_audience: String,
+
+    /// Accept the API key in the `LIBRECHAT_CODE_API_KEY` field of a JSON body (LibreChat
+    /// 0.8.5 sends it there instead of a header).
+    #[arg(long, env = "CODEBROKER_BODY_API_KEY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub body_api_key: bool,
+}
+
+/// Code mode on `/mcp`: whether it is offered, what its functions may reach, its time
+/// limits.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CodeModeConfig {
     /// Offer code mode on `/mcp`: the tools `execute` (code that calls the functions below,
     /// served by the broker itself) and `search` (find those functions).
     #[arg(long, env = "CODEBROKER_CODEMODE", default_value_t = true, action = clap::ArgAction::Set)]
@@ -425,20 +483,6 @@ pub struct Config {
     /// Code mode: wall-time limit of one `execute`, calls included, in milliseconds.
     #[arg(long, env = "CODEBROKER_CODEMODE_TIMEOUT_MS", default_value_t = 60_000, value_parser = millis())]
     pub codemode_timeout_ms: u64,
-
-    /// Log format: `text` or `json`.
-    #[arg(long, env = "CODEBROKER_LOG_FORMAT", default_value = "text")]
-    pub log_format: String,
-
-    /// Append-only JSONL audit log (one record per session create, exec, upload, download,
-    /// delete and expiry), so who ran what can be traced later; empty: off.
-    #[arg(long, env = "CODEBROKER_AUDIT_LOG", default_value = "")]
-    pub audit_log: String,
-
-    /// Put the code itself in the audit log's exec records; off, only its SHA-256 is kept,
-    /// which proves what ran without storing users' code.
-    #[arg(long, env = "CODEBROKER_AUDIT_CODE", default_value_t = false, action = clap::ArgAction::Set)]
-    pub audit_code: bool,
 }
 
 /// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
@@ -589,7 +633,7 @@ pub enum AuthMode {
 impl Config {
     /// Checks settings that clap cannot check on its own.
     pub fn validate(&self) -> Result<(), String> {
-        if self.auth == AuthMode::Key
+        if self.access.auth == AuthMode::Key
             && self.api_keys().next().is_none()
             && self.jwt_key_entries().next().is_none()
         {
@@ -602,7 +646,7 @@ impl Config {
         if self.exec_timeout_ms == 0 || self.max_exec_timeout_ms == 0 {
             return Err("exec timeouts must be above 0".into());
         }
-        if self.cpus.is_nan() || self.cpus <= 0.0 {
+        if self.sandbox.cpus.is_nan() || self.sandbox.cpus <= 0.0 {
             return Err("CODEBROKER_CPUS must be above 0".into());
         }
         if !(self.public_url.starts_with("http://") || self.public_url.starts_with("https://")) {
@@ -613,7 +657,8 @@ impl Config {
 
     /// The configured API keys, blanks dropped.
     pub fn api_keys(&self) -> impl Iterator<Item = &str> {
-        self.api_key
+        self.access
+            .api_key
             .iter()
             .map(|k| k.trim())
             .filter(|k| !k.is_empty())
@@ -621,7 +666,8 @@ impl Config {
 
     /// The configured JWT public key entries, blanks dropped.
     pub fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
-        self.jwt_public_keys
+        self.access
+            .jwt_public_keys
             .iter()
             .map(|k| k.trim())
             .filter(|k| !k.is_empty())
@@ -630,7 +676,7 @@ impl Config {
     /// A configuration for tests: no auth, defaults elsewhere, data in `data_dir`.
     pub fn for_tests(data_dir: PathBuf, instance: &str) -> Config {
         let mut config = Config::parse_from(["codebroker"]);
-        config.auth = AuthMode::None;
+        config.access.auth = AuthMode::None;
         config.data_dir = data_dir;
         config.instance = instance.to_string();
         config.listen = "127.0.0.1:0".parse().expect("literal address");
@@ -639,9 +685,9 @@ impl Config {
         config.single_use_ttl_secs = 0;
         // Tests start many sessions and execs as one unnamed caller on purpose; the
         // shipped caps are tested on their own (tests/hostile_caps.rs).
-        config.rate_execs_per_minute = 0;
-        config.max_sessions_per_user = 0;
-        config.max_containers = ContainerCap::Count(0);
+        config.caps.rate_execs_per_minute = 0;
+        config.caps.max_sessions_per_user = 0;
+        config.caps.max_containers = ContainerCap::Count(0);
         config
     }
 }
@@ -680,10 +726,10 @@ mod tests {
     #[test]
     fn a_fresh_install_caps_rate_sessions_and_containers() {
         let config = Config::try_parse_from(["codebroker"]).expect("defaults parse");
-        assert_eq!(config.rate_execs_per_minute, 120);
-        assert_eq!(config.max_sessions_per_user, 8);
-        assert_eq!(config.max_containers, ContainerCap::Auto);
-        assert_eq!(config.seccomp, SeccompChoice::Builtin);
+        assert_eq!(config.caps.rate_execs_per_minute, 120);
+        assert_eq!(config.caps.max_sessions_per_user, 8);
+        assert_eq!(config.caps.max_containers, ContainerCap::Auto);
+        assert_eq!(config.sandbox.seccomp, SeccompChoice::Builtin);
         let gib = 1u64 << 30;
         // 24 GiB host, 1 GiB sandboxes: 18 may fill their memory in the host's 3/4.
         assert_eq!(ContainerCap::Auto.resolve(Some(24 * gib), 1024), 18);
@@ -695,18 +741,22 @@ mod tests {
         assert_eq!(ContainerCap::Count(5).resolve(None, 1024), 5);
         let parsed = Config::try_parse_from(["codebroker", "--max-containers", "7"]);
         assert_eq!(
-            parsed.expect("a number").max_containers,
+            parsed.expect("a number").caps.max_containers,
             ContainerCap::Count(7)
         );
         let parsed = Config::try_parse_from(["codebroker", "--max-containers", "AUTO"]);
-        assert_eq!(parsed.expect("auto").max_containers, ContainerCap::Auto);
+        assert_eq!(
+            parsed.expect("auto").caps.max_containers,
+            ContainerCap::Auto
+        );
         assert!(Config::try_parse_from(["codebroker", "--max-containers", "lots"]).is_err());
     }
 
     #[test]
     fn seccomp_choices() {
-        let parse =
-            |v: &str| Config::try_parse_from(["codebroker", "--seccomp", v]).map(|c| c.seccomp);
+        let parse = |v: &str| {
+            Config::try_parse_from(["codebroker", "--seccomp", v]).map(|c| c.sandbox.seccomp)
+        };
         assert_eq!(parse("daemon").expect("daemon"), SeccompChoice::Daemon);
         assert_eq!(parse("builtin").expect("builtin"), SeccompChoice::Builtin);
         assert_eq!(
@@ -752,9 +802,9 @@ mod tests {
             &MAX_MILLIS.to_string(),
         ])
         .expect("the maxima parse");
-        assert!(i64::try_from(config.memory_mb * 1024 * 1024).is_ok());
-        assert!(config.max_upload_mb.checked_mul(1024 * 1024).is_some());
-        assert!(config.max_body_mb.checked_mul(1024 * 1024).is_some());
+        assert!(i64::try_from(config.sandbox.memory_mb * 1024 * 1024).is_ok());
+        assert!(config.caps.max_upload_mb.checked_mul(1024 * 1024).is_some());
+        assert!(config.caps.max_body_mb.checked_mul(1024 * 1024).is_some());
         assert!(config.max_output_file_mb.checked_mul(1024 * 1024).is_some());
         let deadline = std::time::Duration::from_millis(config.max_exec_timeout_ms);
         assert!(tokio::time::Instant::now().checked_add(deadline).is_some());

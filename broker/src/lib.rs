@@ -41,9 +41,9 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
     let jwt =
         http::jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
-    if identity::check(config.sandbox_uid)? == identity::Identity::SameAsSandbox {
+    if identity::check(config.sandbox.sandbox_uid)? == identity::Identity::SameAsSandbox {
         tracing::warn!(
-            uid = config.sandbox_uid,
+            uid = config.sandbox.sandbox_uid,
             "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
              run it as another uid (the broker image does)"
         );
@@ -68,7 +68,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     let config = Arc::new(config);
     let docker = DockerBackend::connect(config.clone()).await?;
     if !docker.image_present().await {
-        tracing::warn!(image = %config.image, "the sandbox image is missing; build it with `make image`");
+        tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
     }
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     drop(jwt);
@@ -104,7 +104,7 @@ pub async fn run(
     let app = http::router(state);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let limits = http::server::ServeLimits {
-        max_connections: broker.config.max_connections,
+        max_connections: broker.config.caps.max_connections,
         header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
     };
     let signalled = stop.clone();

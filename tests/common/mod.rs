@@ -64,7 +64,7 @@ impl TestBroker {
         let tmp = tempfile::tempdir().expect("tempdir");
         let instance = instance_name(tag);
         let mut config = Config::for_tests(tmp.path().to_path_buf(), &instance);
-        config.pool_size = 0;
+        config.pool.pool_size = 0;
         adjust(&mut config);
         let data = config.data_dir.clone();
         let mut broker = Self::serve(config).await;

@@ -40,8 +40,8 @@ fn assert_no_traces(out: &Value) {
 #[tokio::test]
 async fn sessions_of_one_user_share_nothing() {
     let broker = TestBroker::start_with("hh-iso-user", |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec!["k".into()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec!["k".into()];
     })
     .await;
     let exec = |body: Value| {
@@ -128,7 +128,7 @@ async fn users_share_nothing() {
 
 #[tokio::test]
 async fn a_pooled_container_never_carries_another_sessions_state() {
-    let broker = TestBroker::start_with("hh-pool", |c| c.pool_size = 2).await;
+    let broker = TestBroker::start_with("hh-pool", |c| c.pool.pool_size = 2).await;
     broker.wait_for_pool(2).await;
     let a = broker.run("py", LEAVE_TRACES, None).await;
     assert_eq!(stdout(&a), "traced\n", "{a}");

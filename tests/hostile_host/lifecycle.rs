@@ -179,11 +179,11 @@ async fn a_killed_broker_restarts_without_leaks_or_losses() {
 /// (idle sandboxes make room instead of refusing).
 async fn burst_of_64(tag: &str, max_containers: usize) -> usize {
     let broker = TestBroker::start_with(tag, |c| {
-        c.max_containers = ContainerCap::Count(max_containers);
+        c.caps.max_containers = ContainerCap::Count(max_containers);
         // Room for the burst and the bystander: at the default cap of 64 live sandboxes
         // the 65th would rightly evict the least recently used idle one, the bystander
         // (that eviction is `churn.rs`'s to test).
-        c.max_live_sandboxes = 65;
+        c.caps.max_live_sandboxes = 65;
     })
     .await;
     let bystander = Bystander::start(&broker).await;

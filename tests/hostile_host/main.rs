@@ -213,9 +213,9 @@ fn names_of(out: &Value) -> Vec<String> {
 /// A broker that takes the API key `KEY` and JWTs of `ed25519_a` (kid `lc-ed`).
 async fn authed_broker(tag: &str) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.auth = AuthMode::Key;
-        c.api_key = vec![KEY.into()];
-        c.jwt_public_keys = vec![lc_ed_public_key()];
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![KEY.into()];
+        c.access.jwt_public_keys = vec![lc_ed_public_key()];
     })
     .await
 }

@@ -8,7 +8,7 @@ async fn a_runtime_the_daemon_lacks_is_a_clean_refusal() {
     // CODEBROKER_RUNTIME names e.g. gVisor's runsc; on a daemon without it, execs are
     // refused with a 503 that says so, promptly, and nothing is left behind.
     let broker = TestBroker::start_with("hh-runtime", |c| {
-        c.runtime = "codebroker-no-such-runtime".into();
+        c.sandbox.runtime = "codebroker-no-such-runtime".into();
     })
     .await;
     let started = Instant::now();

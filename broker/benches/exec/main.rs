@@ -83,7 +83,7 @@ impl Bench {
     async fn start(tag: &str, data: &std::path::Path, adjust: impl FnOnce(&mut Config)) -> Bench {
         let instance = format!("bench-{tag}-{}", std::process::id());
         let mut config = Config::for_tests(data.join(tag), &instance);
-        config.pool_size = 0;
+        config.pool.pool_size = 0;
         adjust(&mut config);
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)

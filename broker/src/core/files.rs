@@ -61,14 +61,15 @@ impl Broker {
     /// and one shared budget would let one of their end users lock out all the others.
     pub(crate) fn storage_budget(&self, session: &Session) -> StorageBudget {
         let mut budget = StorageBudget::UNLIMITED;
-        if self.config.session_storage > 0 {
+        if self.config.caps.session_storage > 0 {
             budget = StorageBudget {
-                room: self.config.session_storage,
-                limit: self.config.session_storage,
+                room: self.config.caps.session_storage,
+                limit: self.config.caps.session_storage,
                 per_user: false,
             };
         }
-        if let (Some(user), limit @ 1..) = (session.meta.user.as_deref(), self.config.user_storage)
+        if let (Some(user), limit @ 1..) =
+            (session.meta.user.as_deref(), self.config.caps.user_storage)
         {
             let others: u64 = self
                 .registry

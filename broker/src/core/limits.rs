@@ -95,16 +95,19 @@ impl Limits {
     /// The limits the configuration asks for, on a Docker host with `host_memory` bytes
     /// of RAM (`None`: unknown).
     pub(crate) fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
-        let exec_rate = (config.rate_execs_per_minute > 0).then(|| {
-            let burst = if config.rate_burst > 0 {
-                config.rate_burst
+        let exec_rate = (config.caps.rate_execs_per_minute > 0).then(|| {
+            let burst = if config.caps.rate_burst > 0 {
+                config.caps.rate_burst
             } else {
-                config.rate_execs_per_minute
+                config.caps.rate_execs_per_minute
             };
-            TokenBuckets::new(config.rate_execs_per_minute, burst)
+            TokenBuckets::new(config.caps.rate_execs_per_minute, burst)
         });
-        let max_total = config.max_containers.resolve(host_memory, config.memory_mb);
-        let max_per_user = match (config.max_sessions_per_user, max_total) {
+        let max_total = config
+            .caps
+            .max_containers
+            .resolve(host_memory, config.sandbox.memory_mb);
+        let max_per_user = match (config.caps.max_sessions_per_user, max_total) {
             (0, _) => 0,
             (n, 0) => n,
             (n, total) => n.min(total.div_ceil(2)),
@@ -378,15 +381,15 @@ mod tests {
             assert!(off.check_exec(Some("u")).is_ok());
         }
         let on = limits(|c| {
-            c.rate_execs_per_minute = 60;
-            c.rate_burst = 2;
+            c.caps.rate_execs_per_minute = 60;
+            c.caps.rate_burst = 2;
         });
         assert!(on.check_exec(Some("u")).is_ok());
         assert!(on.check_exec(Some("u")).is_ok());
         let err = on.check_exec(Some("u")).expect_err("third is over");
         assert_eq!(retry_after(err), 1);
         // The burst defaults to the per-minute rate.
-        let default_burst = limits(|c| c.rate_execs_per_minute = 3);
+        let default_burst = limits(|c| c.caps.rate_execs_per_minute = 3);
         for _ in 0..3 {
             assert!(default_burst.check_exec(None).is_ok());
         }
@@ -407,7 +410,7 @@ mod tests {
     #[test]
     fn global_container_cap() {
         let limits = limits(|c| {
-            c.max_containers = ContainerCap::Count(2);
+            c.caps.max_containers = ContainerCap::Count(2);
             c.max_exec_timeout_ms = 30_000;
         });
         let now = 1_000_000;
@@ -437,7 +440,7 @@ mod tests {
     #[test]
     fn per_user_session_cap() {
         let limits = limits(|c| {
-            c.max_sessions_per_user = 1;
+            c.caps.max_sessions_per_user = 1;
             c.max_exec_timeout_ms = 5_000;
         });
         let now = 1_000_000;
@@ -465,8 +468,8 @@ mod tests {
     fn one_user_gets_at_most_half_the_containers() {
         let capped = |per_user, total| {
             limits(|c| {
-                c.max_sessions_per_user = per_user;
-                c.max_containers = ContainerCap::Count(total);
+                c.caps.max_sessions_per_user = per_user;
+                c.caps.max_containers = ContainerCap::Count(total);
             })
             .max_sessions_per_user()
         };
@@ -478,8 +481,8 @@ mod tests {
         assert_eq!(capped(0, 6), 0);
         // auto on an unknown host: its minimum of two, one each.
         let auto = limits(|c| {
-            c.max_sessions_per_user = 8;
-            c.max_containers = ContainerCap::Auto;
+            c.caps.max_sessions_per_user = 8;
+            c.caps.max_containers = ContainerCap::Auto;
         });
         assert_eq!(auto.max_containers(), crate::config::AUTO_CONTAINERS_MIN);
         assert_eq!(auto.max_sessions_per_user(), 1);
@@ -489,7 +492,7 @@ mod tests {
     fn slots_hold_a_place_until_dropped() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let registry = Registry::new(tmp.path());
-        let limits = limits(|c| c.max_containers = ContainerCap::Count(1));
+        let limits = limits(|c| c.caps.max_containers = ContainerCap::Count(1));
         let slot = limits.container_slot(&registry, Some("a")).expect("free");
         assert!(limits.container_slot(&registry, Some("b")).is_err());
         drop(slot);

@@ -47,9 +47,9 @@ impl Broker {
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(
-                config.pool_size,
-                config.pool_max,
-                config.pool_refill_concurrency,
+                config.pool.pool_size,
+                config.pool.pool_max,
+                config.pool.pool_refill_concurrency,
             )),
             limits: Limits::from_config(&config, backend.host_memory()),
             metrics: crate::metrics::Metrics::new(backend.api_errors()),

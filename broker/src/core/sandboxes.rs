@@ -41,7 +41,7 @@ impl Broker {
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
-            .create(self.config.sandbox_uid)
+            .create(self.config.sandbox.sandbox_uid)
             .map_err(|e| Error::internal(format!("cannot recreate workspace: {e}")))?;
         if let Some(sandbox) = self.sandbox_from_pool(session).await {
             return Ok(sandbox);
@@ -179,7 +179,10 @@ impl Broker {
         evict::Policy {
             idle_ttl_ms: self.config.idle_ttl_secs.saturating_mul(1000),
             single_use_ttl_ms: self.config.single_use_ttl_secs.saturating_mul(1000),
-            max_live: lowest(self.config.max_live_sandboxes, self.limits.max_containers()),
+            max_live: lowest(
+                self.config.caps.max_live_sandboxes,
+                self.limits.max_containers(),
+            ),
             max_per_user: self.limits.max_sessions_per_user(),
         }
     }

@@ -136,7 +136,7 @@ impl Broker {
     ) -> Result<Arc<Session>> {
         crate::core::diskspace::check_room_for_new_session(
             &self.config.data_dir,
-            self.config.min_free_disk,
+            self.config.caps.min_free_disk,
         )?;
         if for_exec {
             self.make_room(user);
@@ -160,7 +160,7 @@ impl Broker {
             None => {
                 let id = new_id();
                 let ws = Workspace::new(&self.config.data_dir, &id);
-                ws.create(self.config.sandbox_uid)
+                ws.create(self.config.sandbox.sandbox_uid)
                     .map_err(|e| Error::internal(format!("cannot create workspace: {e}")))?;
                 (id, ws)
             }

@@ -43,7 +43,7 @@ pub(crate) async fn require_auth(
 ) -> Response {
     let broker = &state.broker;
     let config = &broker.config;
-    if config.auth == AuthMode::None {
+    if config.access.auth == AuthMode::None {
         return next.run(request).await;
     }
     match header_auth(&state, request.headers()) {
@@ -55,7 +55,7 @@ pub(crate) async fn require_auth(
         Ok(HeaderAuth::Absent) => {}
         Err(err) => return err.into_response(),
     }
-    if !config.body_api_key {
+    if !config.access.body_api_key {
         return AppError::Unauthorized.into_response();
     }
     body_key_auth(&state, request, next).await
@@ -87,8 +87,8 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
     if !is_json {
         return AppError::Unauthorized.into_response();
     }
-    let limit = config.max_body_mb as u64 * 1024 * 1024;
-    let budget = config.preauth_body_budget.max(BUDGET_UNIT);
+    let limit = config.caps.max_body_mb as u64 * 1024 * 1024;
+    let budget = config.caps.preauth_body_budget.max(BUDGET_UNIT);
     let too_large = || {
         AppError::PayloadTooLarge(format!(
             "request body over {} MiB",
@@ -179,7 +179,7 @@ async fn read_bounded(
 /// Whether the request's headers carry valid credentials (or auth is off): what a public
 /// route may show more to.
 pub(crate) fn authenticated(state: &AppState, headers: &HeaderMap) -> bool {
-    state.broker.config.auth == AuthMode::None
+    state.broker.config.access.auth == AuthMode::None
         || matches!(
             header_auth(state, headers),
             Ok(HeaderAuth::Key | HeaderAuth::Jwt(_))

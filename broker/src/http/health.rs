@@ -52,7 +52,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         "status": if healthy { "ok" } else { "degraded" },
         "version": env!("CARGO_PKG_VERSION"),
         "docker": { "reachable": docker_ok },
-        "image": { "name": broker.config.image, "present": image_ok },
+        "image": { "name": broker.config.sandbox.image, "present": image_ok },
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
     });
     // How busy the broker is only to callers that could see it anyway.
@@ -60,7 +60,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         body["sessions"] = json!(broker.registry.len());
         body["sandboxes"] = json!({
             "live": broker.live_sandboxes(),
-            "max_live": broker.config.max_live_sandboxes,
+            "max_live": broker.config.caps.max_live_sandboxes,
         });
         body["pool"] = json!({
             "ready": broker.pool.ready(),

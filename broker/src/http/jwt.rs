@@ -81,8 +81,8 @@ impl JwtKeys {
         }
         Ok(JwtKeys {
             keys,
-            issuer: config.jwt_issuer.clone(),
-            audience: config.jwt_audience.clone(),
+            issuer: config.access.jwt_issuer.clone(),
+            audience: config.access.jwt_audience.clone(),
         })
     }
 
@@ -253,7 +253,7 @@ mod tests {
 
     fn load(entries: &[String]) -> JwtKeys {
         let mut config = Config::for_tests("/tmp".into(), "jwt-test");
-        config.jwt_public_keys = entries.to_vec();
+        config.access.jwt_public_keys = entries.to_vec();
         JwtKeys::from_config(&config).expect("keys load")
     }
 
@@ -330,10 +330,10 @@ mod tests {
     #[test]
     fn bad_entries_are_start_up_errors() {
         let mut config = Config::for_tests("/tmp".into(), "jwt-test");
-        config.jwt_public_keys = vec!["/no/such/key.pem".into()];
+        config.access.jwt_public_keys = vec!["/no/such/key.pem".into()];
         assert!(JwtKeys::from_config(&config).is_err());
         // A private key is refused: the broker only ever needs the public half.
-        config.jwt_public_keys = vec![ED_A.replace('\n', "\\n")];
+        config.access.jwt_public_keys = vec![ED_A.replace('\n', "\\n")];
         assert!(JwtKeys::from_config(&config).is_err());
         assert_eq!(split_kid("k=./a.pem"), (Some("k".into()), "./a.pem"));
         assert_eq!(split_kid("./a=b.pem"), (None, "./a=b.pem"));
@@ -376,9 +376,9 @@ mod tests {
     #[test]
     fn configurable_issuer_and_audience() {
         let mut config = Config::for_tests("/tmp".into(), "jwt-test");
-        config.jwt_public_keys = vec![ED_A_PUB.replace('\n', "\\n")];
-        config.jwt_issuer = "me".into();
-        config.jwt_audience = "broker".into();
+        config.access.jwt_public_keys = vec![ED_A_PUB.replace('\n', "\\n")];
+        config.access.jwt_issuer = "me".into();
+        config.access.jwt_audience = "broker".into();
         let keys = JwtKeys::from_config(&config).expect("keys");
         assert!(keys.verify(&ed(&claims("u"))).is_err());
         let mut c = claims("u");

@@ -43,7 +43,7 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
 /// credentials (`X-API-Key`, `Authorization`) are checked as on every other route.
 async fn lobe_auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let config = &state.broker.config;
-    if config.auth == AuthMode::None {
+    if config.access.auth == AuthMode::None {
         return next.run(request).await;
     }
     if settings_key(request.headers()).is_some_and(|key| key_matches(config.api_keys(), &key)) {
@@ -75,7 +75,7 @@ pub(crate) fn manifest_json(config: &Config) -> Value {
             }
         }
     });
-    if config.auth == AuthMode::Key {
+    if config.access.auth == AuthMode::Key {
         settings["required"] = json!([SETTINGS_KEY_FIELD]);
     }
     json!({
@@ -229,7 +229,7 @@ mod tests {
         let m = manifest_json(&config);
         assert!(m["settings"].get("required").is_none());
         assert_eq!(m["api"][0]["url"], "http://127.0.0.1:8000/lobe/run");
-        config.auth = AuthMode::Key;
+        config.access.auth = AuthMode::Key;
         let m = manifest_json(&config);
         assert_eq!(m["settings"]["required"], json!(["apiKey"]));
     }

@@ -52,6 +52,7 @@ impl AppState {
         // number of units still holds a body of its full size.
         let units = broker
             .config
+            .caps
             .preauth_body_budget
             .max(BUDGET_UNIT)
             .div_ceil(BUDGET_UNIT);
@@ -87,7 +88,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .merge(openapi::router())
         .merge(playground::router())
         .merge(lobe::router(&state));
-    let body_limit = state.broker.config.max_body_mb * 1024 * 1024;
+    let body_limit = state.broker.config.caps.max_body_mb * 1024 * 1024;
     let mut app = Router::new()
         .merge(routes.clone())
         .nest("/v1", routes)
@@ -96,7 +97,7 @@ pub(crate) fn router(state: AppState) -> Router {
     // rebound DNS name and read the answers: only the known names are served.
     let config = &state.broker.config;
     // `*` serves any Host, but a browser's Origin must still be the page's own host.
-    if config.auth == AuthMode::None {
+    if config.access.auth == AuthMode::None {
         let hosts = crate::mcp::allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
         app = app.layer(axum::middleware::from_fn_with_state(
             Arc::new(hosts),

@@ -28,11 +28,11 @@ impl CodeTools {
         let broker = self.broker().clone();
         let name = Broker::check_upload_name(&args.name)?;
         let bytes = decode_base64(&args.content_base64)?;
-        let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+        let max_bytes = broker.config.caps.max_upload_mb * 1024 * 1024;
         if bytes.len() as u64 > max_bytes {
             return Err(Error::TooLarge(format!(
                 "{} is larger than the upload limit of {} MiB",
-                args.name, broker.config.max_upload_mb
+                args.name, broker.config.caps.max_upload_mb
             )));
         }
         let user = caller.user.as_deref();

@@ -33,7 +33,7 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
     let sessions = Arc::new(sessions);
-    let max = state.broker.config.max_mcp_sessions;
+    let max = state.broker.config.caps.max_mcp_sessions;
     Router::new()
         .route_service("/mcp", service(state, sessions.clone()))
         .route_layer(axum::middleware::from_fn(move |request, next| {
@@ -74,14 +74,14 @@ pub(crate) fn service(
     let config = &state.broker.config;
     let mut http = StreamableHttpServerConfig::default()
         .with_cancellation_token(state.shutdown.child_token())
-        .with_max_request_body_bytes(config.max_body_mb * 1024 * 1024);
+        .with_max_request_body_bytes(config.caps.max_body_mb * 1024 * 1024);
     let hosts = allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
     http = match hosts {
         None => http.disable_allowed_hosts(),
         Some(hosts) => http.with_allowed_hosts(hosts),
     };
     let state = state.clone();
-    let codemode = CodeMode::new(config);
+    let codemode = CodeMode::new(&config.code_mode);
     StreamableHttpService::new(
         move || Ok(CodeTools::new(state.clone(), codemode.clone())),
         sessions,

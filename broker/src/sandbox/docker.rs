@@ -88,7 +88,7 @@ impl DockerBackend {
                 None
             }
         };
-        let seccomp = seccomp_option(&config.seccomp)?;
+        let seccomp = seccomp_option(&config.sandbox.seccomp)?;
         Ok(DockerBackend {
             docker,
             config,
@@ -105,7 +105,7 @@ impl DockerBackend {
 
     /// The uid code runs as in the sandboxes, who owns the files placed for it.
     pub(super) fn sandbox_uid(&self) -> u32 {
-        self.config.sandbox_uid
+        self.config.sandbox.sandbox_uid
     }
 
     /// Counts one failed Engine API call of `op`.
@@ -120,7 +120,10 @@ impl DockerBackend {
 
     /// Whether the sandbox image is present.
     pub async fn image_present(&self) -> bool {
-        self.docker.inspect_image(&self.config.image).await.is_ok()
+        self.docker
+            .inspect_image(&self.config.sandbox.image)
+            .await
+            .is_ok()
     }
 
     /// What `docker create` gets for a session's sandbox: the lockdown SECURITY.md describes ("Layers").
@@ -136,22 +139,23 @@ impl DockerBackend {
             (labels::CREATED.to_string(), created.to_string()),
         ]);
         // Bounded at parse (at most 1 TiB), so this cannot overflow.
-        let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
+        let memory =
+            i64::try_from(c.sandbox.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
         let tmpfs = HashMap::from([
             (
                 "/tmp".to_string(),
                 format!(
                     "rw,exec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.tmp_mb,
-                    scratch_inodes(c.tmp_mb)
+                    c.sandbox.tmp_mb,
+                    scratch_inodes(c.sandbox.tmp_mb)
                 ),
             ),
             (
                 "/dev/shm".to_string(),
                 format!(
                     "rw,noexec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.shm_mb,
-                    scratch_inodes(c.shm_mb)
+                    c.sandbox.shm_mb,
+                    scratch_inodes(c.sandbox.shm_mb)
                 ),
             ),
         ]);
@@ -162,8 +166,15 @@ impl DockerBackend {
         };
         let host_config = HostConfig {
             binds: Some(vec![format!("{}:{WORKDIR}:rw", workspace.display())]),
-            network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
-            cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
+            network_mode: Some(
+                if c.sandbox.network_none {
+                    "none"
+                } else {
+                    "bridge"
+                }
+                .to_string(),
+            ),
+            cap_drop: c.sandbox.drop_capabilities.then(|| vec!["ALL".to_string()]),
             // Whatever the capabilities: setuid binaries and file capabilities in the
             // image or the workspace never raise privileges.
             security_opt: Some(
@@ -174,14 +185,14 @@ impl DockerBackend {
             // Its own cgroup namespace: on cgroup v1 hosts the sandbox would otherwise
             // read the host's cgroup paths in /proc/self/cgroup.
             cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
-            readonly_rootfs: Some(c.readonly_rootfs),
+            readonly_rootfs: Some(c.sandbox.readonly_rootfs),
             tmpfs: Some(tmpfs),
-            pids_limit: Some(c.pids_limit),
+            pids_limit: Some(c.sandbox.pids_limit),
             memory: Some(memory),
             memory_swap: Some(memory),
-            nano_cpus: Some((c.cpus * 1e9) as i64),
+            nano_cpus: Some((c.sandbox.cpus * 1e9) as i64),
             ulimits: Some(vec![
-                ulimit("nofile", c.nofile),
+                ulimit("nofile", c.sandbox.nofile),
                 ulimit("fsize", fsize_bytes(c)),
             ]),
             ipc_mode: Some("private".to_string()),
@@ -190,21 +201,24 @@ impl DockerBackend {
                 config: None,
             }),
             init: Some(false),
-            runtime: Some(c.runtime.trim())
+            runtime: Some(c.sandbox.runtime.trim())
                 .filter(|r| !r.is_empty())
                 .map(str::to_string),
             ..Default::default()
         };
-        let uid = c.sandbox_uid;
+        let uid = c.sandbox.sandbox_uid;
         ContainerCreateBody {
-            image: Some(c.image.clone()),
+            image: Some(c.sandbox.image.clone()),
             user: Some(format!("{uid}:{uid}")),
             working_dir: Some(WORKDIR.to_string()),
             env: Some(vec![
                 format!("HOME={WORKDIR}"),
                 // The runner watches the workspace against these during each exec.
-                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
-                format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
+                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.sandbox.workspace_quota),
+                format!(
+                    "CODEBROKER_WORKSPACE_MAX_FILES={}",
+                    c.sandbox.workspace_max_files
+                ),
                 // A kept container whose broker never comes back ends itself after the
                 // idle TTL, as the reaper would have removed it.
                 format!(
@@ -219,7 +233,7 @@ impl DockerBackend {
             attach_stdout: Some(true),
             attach_stderr: Some(true),
             tty: Some(false),
-            network_disabled: Some(c.network_none),
+            network_disabled: Some(c.sandbox.network_none),
             labels: Some(labels),
             host_config: Some(host_config),
             ..Default::default()
@@ -451,7 +465,7 @@ impl DockerBackend {
     /// Reads one file out of the sandbox image, without starting a container.
     pub async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
         let body = ContainerCreateBody {
-            image: Some(self.config.image.clone()),
+            image: Some(self.config.sandbox.image.clone()),
             labels: Some(HashMap::from([(
                 labels::INSTANCE.to_string(),
                 self.config.instance.clone(),
@@ -523,10 +537,10 @@ fn scratch_inodes(mb: u64) -> u64 {
 /// The `fsize` ulimit: CODEBROKER_FSIZE_MB, and never over the workspace quota, so that a
 /// single file cannot outgrow the quota between two of the runner's measurements.
 fn fsize_bytes(c: &Config) -> i64 {
-    let fsize = u64::try_from(c.fsize_mb)
+    let fsize = u64::try_from(c.sandbox.fsize_mb)
         .unwrap_or(0)
         .saturating_mul(1024 * 1024);
-    let bytes = match c.workspace_quota {
+    let bytes = match c.sandbox.workspace_quota {
         0 => fsize,
         quota => fsize.min(quota),
     };
@@ -577,7 +591,7 @@ mod tests {
     fn backend(config: Config) -> DockerBackend {
         DockerBackend {
             docker: bollard::Docker::connect_with_local_defaults().expect("client"),
-            seccomp: seccomp_option(&config.seccomp).expect("seccomp profile"),
+            seccomp: seccomp_option(&config.sandbox.seccomp).expect("seccomp profile"),
             config: Arc::new(config),
             api_errors: DockerErrors::default(),
             host_memory: None,
@@ -611,7 +625,7 @@ mod tests {
         );
         assert_eq!(body.user.as_deref(), Some("10001:10001"));
 
-        config.runtime = " runsc ".into();
+        config.sandbox.runtime = " runsc ".into();
         let body = backend(config).container_body("s", Path::new("/data/s/files"));
         assert_eq!(
             body.host_config.expect("host config").runtime.as_deref(),
@@ -622,8 +636,8 @@ mod tests {
     #[tokio::test]
     async fn no_new_privileges_does_not_depend_on_dropping_capabilities() {
         let mut config = Config::for_tests("/data".into(), "t");
-        config.drop_capabilities = false;
-        config.seccomp = SeccompChoice::Daemon;
+        config.sandbox.drop_capabilities = false;
+        config.sandbox.seccomp = SeccompChoice::Daemon;
         let body = backend(config).container_body("s", Path::new("/data/s/files"));
         let host = body.host_config.expect("host config");
         assert_eq!(host.cap_drop, None);

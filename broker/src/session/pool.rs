@@ -370,7 +370,7 @@ async fn remove(docker: &dyn SandboxBackend, pooled: Pooled) {
 async fn create_pooled(docker: &dyn SandboxBackend, config: &Config) -> anyhow::Result<Pooled> {
     let session_id = new_id();
     let workspace = Workspace::new(&config.data_dir, &session_id);
-    workspace.create(config.sandbox_uid)?;
+    workspace.create(config.sandbox.sandbox_uid)?;
     match docker.create(&session_id, &workspace, true).await {
         Ok(sandbox) => Ok(Pooled {
             session_id,

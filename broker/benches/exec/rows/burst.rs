@@ -18,8 +18,8 @@ pub(crate) async fn rows(
 ) {
     let n = scale.pick(20, 8);
     let bench = Bench::start("burst", data, |c| {
-        c.pool_size = 2;
-        c.pool_max = 16;
+        c.pool.pool_size = 2;
+        c.pool.pool_max = 16;
     })
     .await;
     bench.wait_pool(2).await;

@@ -19,8 +19,8 @@ pub(crate) async fn rows(
     let duration = Duration::from_secs(scale.pick(90, 20) as u64);
     let cap = 16;
     let bench = Bench::start("churn", data, |c| {
-        c.pool_size = 2;
-        c.max_live_sandboxes = cap;
+        c.pool.pool_size = 2;
+        c.caps.max_live_sandboxes = cap;
         c.single_use_ttl_secs = 10;
         c.reap_interval_secs = 2;
     })

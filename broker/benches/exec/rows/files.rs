@@ -7,8 +7,8 @@ use serde_json::json;
 /// Uploads and downloads.
 pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
     let bench = Bench::start("files", data, |c| {
-        c.max_upload_mb = 128;
-        c.pool_size = 2;
+        c.caps.max_upload_mb = 128;
+        c.pool.pool_size = 2;
     })
     .await;
     let mut small = Vec::new();

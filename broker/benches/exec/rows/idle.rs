@@ -11,9 +11,9 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
     let n = scale.pick(200, 10);
     let rss_before = own_rss();
     let bench = Bench::start("idle", data, |c| {
-        c.max_live_sandboxes = 0;
-        c.pool_size = 2;
-        c.pool_refill_concurrency = 4;
+        c.caps.max_live_sandboxes = 0;
+        c.pool.pool_size = 2;
+        c.pool.pool_refill_concurrency = 4;
     })
     .await;
     // Sessions are made a few at a time, as users would, each with one Python exec.

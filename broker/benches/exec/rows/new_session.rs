@@ -17,7 +17,7 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
     }
     let run50 = p50(&docker_run);
 
-    let bench = Bench::start("pool", data, |c| c.pool_size = 2).await;
+    let bench = Bench::start("pool", data, |c| c.pool.pool_size = 2).await;
     let mut pooled = Vec::new();
     let mut pandas = Vec::new();
     for i in 0..scale.pick(20, 4) {

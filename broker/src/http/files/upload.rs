@@ -66,7 +66,7 @@ async fn read_form(
     tokio::fs::create_dir_all(&staging)
         .await
         .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
-    let max_bytes = broker.config.max_upload_mb * 1024 * 1024;
+    let max_bytes = broker.config.caps.max_upload_mb * 1024 * 1024;
     let mut text_fields = 0usize;
     while let Some(mut field) = multipart
         .next_field()
@@ -127,7 +127,7 @@ async fn read_form(
         if too_large {
             let err = AppError::PayloadTooLarge(format!(
                 "{file_name} is larger than the upload limit of {} MiB",
-                broker.config.max_upload_mb
+                broker.config.caps.max_upload_mb
             ));
             if strict {
                 return Err(err);

@@ -28,7 +28,7 @@ use self::fetch::builtin_specs;
 use self::search::rank;
 use self::upstream::{parse_server, UpstreamSlot};
 use self::wrap::{wrap_js, wrap_py, wrap_ts};
-use crate::config::Config;
+use crate::config::CodeModeConfig;
 use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge, Verdict};
 use crate::session::Session;
 use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
@@ -87,24 +87,24 @@ pub struct CodeMode {
 }
 
 impl CodeMode {
-    /// Code mode from the configuration; starts connecting upstream servers in the
+    /// Code mode from its settings; starts connecting upstream servers in the
     /// background when enabled and inside a runtime.
-    pub fn new(config: &Config) -> Arc<CodeMode> {
+    pub fn new(settings: &CodeModeConfig) -> Arc<CodeMode> {
         let http_allow: Arc<Vec<HostRule>> = Arc::new(
-            config
+            settings
                 .codemode_http_allow
                 .iter()
                 .filter_map(|e| HostRule::parse(e))
                 .collect(),
         );
-        let env_allow = config
+        let env_allow = settings
             .codemode_env_allow
             .iter()
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty())
             .collect();
         let mut upstreams = Vec::new();
-        for entry in config.codemode_mcp_servers.iter().map(|e| e.trim()) {
+        for entry in settings.codemode_mcp_servers.iter().map(|e| e.trim()) {
             if entry.is_empty() {
                 continue;
             }
@@ -117,17 +117,17 @@ impl CodeMode {
                 Err(e) => tracing::warn!(error = %e, "ignoring a code mode MCP server"),
             }
         }
-        let call_timeout = Duration::from_millis(config.codemode_call_timeout_ms.max(1));
+        let call_timeout = Duration::from_millis(settings.codemode_call_timeout_ms.max(1));
         let http = fetch::http_client(
             http_allow.clone(),
-            config.codemode_http_allow_private,
+            settings.codemode_http_allow_private,
             call_timeout,
         );
         let mode = Arc::new(CodeMode {
-            enabled: config.codemode,
+            enabled: settings.codemode,
             http_allow,
             env_allow,
-            upstream_env: config
+            upstream_env: settings
                 .codemode_mcp_env
                 .iter()
                 .map(|k| k.trim().to_string())
@@ -135,9 +135,9 @@ impl CodeMode {
                 .collect(),
             upstreams,
             http,
-            max_body: config.codemode_http_max_bytes,
+            max_body: settings.codemode_http_max_bytes,
             call_timeout,
-            exec_timeout_ms: config.codemode_timeout_ms,
+            exec_timeout_ms: settings.codemode_timeout_ms,
         });
         if mode.enabled && !mode.upstreams.is_empty() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -393,9 +393,9 @@ mod tests {
 
     #[tokio::test]
     async fn calls_are_answered_or_refused() {
-        let mut config = <Config as clap::Parser>::parse_from(["codebroker"]);
-        config.codemode_env_allow = vec!["CODEMODE_UNIT_UNSET".into()];
-        let mode = CodeMode::new(&config);
+        let mut config = <crate::config::Config as clap::Parser>::parse_from(["codebroker"]);
+        config.code_mode.codemode_env_allow = vec!["CODEMODE_UNIT_UNSET".into()];
+        let mode = CodeMode::new(&config.code_mode);
         let call = |name: &str, input: Value| ToolCall {
             call_id: "c1".into(),
             name: name.into(),
