@@ -49,17 +49,6 @@ pub struct DockerOpLabels {
     pub(crate) op: String,
 }
 
-/// Failed Docker API calls by operation; `DockerBackend` holds a clone (it shares its
-/// counts) so the engine layer needs no reference to the registry.
-pub(crate) type DockerErrors = Family<DockerOpLabels, Counter>;
-
-/// Counts one failed Docker API call.
-pub(crate) fn docker_error(errors: &DockerErrors, op: &str) {
-    errors
-        .get_or_create(&DockerOpLabels { op: op.to_string() })
-        .inc();
-}
-
 fn exec_histogram() -> Histogram {
     // 5 ms to about 80 s.
     Histogram::new(exponential_buckets(0.005, 2.0, 15))
@@ -92,11 +81,14 @@ pub(crate) struct Metrics {
     sandboxes_removed: Family<ReasonLabels, Counter>,
     /// Compiled programs served by the sandboxes' compile caches, or compiled.
     compile_cache: Family<CacheLabels, Counter>,
+    /// Failed engine calls by operation: an engine in trouble shows here.
+    docker_errors: Family<DockerOpLabels, Counter>,
 }
 
 impl Metrics {
-    /// A registry with every metric, sharing `docker_errors` with the Docker backend.
-    pub(crate) fn new(docker_errors: DockerErrors) -> Metrics {
+    /// A registry with every metric.
+    pub(crate) fn new() -> Metrics {
+        let docker_errors = Family::<DockerOpLabels, Counter>::default();
         let mut registry = Registry::with_prefix("codebroker");
         let sessions = Gauge::default();
         let containers = Gauge::default();
@@ -142,7 +134,7 @@ impl Metrics {
         registry.register(
             "docker_errors",
             "Failed Docker API calls by operation",
-            docker_errors,
+            docker_errors.clone(),
         );
         registry.register(
             "rate_limited",
@@ -172,7 +164,15 @@ impl Metrics {
             rate_limited,
             sandboxes_removed,
             compile_cache,
+            docker_errors,
         }
+    }
+
+    /// One failed engine (Docker API) call of the operation `op`.
+    pub(crate) fn docker_error(&self, op: &str) {
+        self.docker_errors
+            .get_or_create(&DockerOpLabels { op: op.to_string() })
+            .inc();
     }
 
     /// The text exposition, after setting the gauges to the values given.
@@ -256,11 +256,10 @@ mod tests {
 
     #[test]
     fn renders_counts_and_gauges() {
-        let docker = DockerErrors::default();
-        let metrics = Metrics::new(docker.clone());
+        let metrics = Metrics::new();
         metrics.exec("py", "limit", 0.2, &[Limit::Time]);
         metrics.uploaded(10);
-        docker_error(&docker, "create");
+        metrics.docker_error("create");
         let text = metrics.render(3, 2, 1);
         assert!(text.contains("codebroker_sessions 3"), "{text}");
         assert!(text.contains("codebroker_containers 2"), "{text}");

@@ -37,13 +37,15 @@ pub struct Broker {
     /// `/opt/codebroker/libraries.json` of the image, read once.
     libraries: tokio::sync::OnceCell<serde_json::Value>,
     /// Prometheus counters and gauges (`/metrics`), bumped here and by the handlers.
-    pub(crate) metrics: crate::metrics::Metrics,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
     pub(crate) audit: crate::audit::Audit,
 }
 
 impl Broker {
     pub(crate) fn new(config: Arc<Config>, backend: Arc<dyn SandboxBackend>) -> Broker {
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        backend.observe(metrics.clone());
         Broker {
             registry: Registry::new(&config.data_dir),
             pool: Arc::new(Pool::new(
@@ -52,7 +54,7 @@ impl Broker {
                 config.pool.pool_refill_concurrency,
             )),
             limits: Limits::from_config(&config, backend.host_memory()),
-            metrics: crate::metrics::Metrics::new(backend.api_errors()),
+            metrics,
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
             backend,
             config,

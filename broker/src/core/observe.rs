@@ -154,3 +154,10 @@ impl Drop for ExecObservation<'_> {
         }
     }
 }
+
+/// The engine's failed calls are counted on `/metrics`.
+impl crate::sandbox::backend::EngineObserver for crate::metrics::Metrics {
+    fn api_error(&self, op: &str) {
+        self.docker_error(op);
+    }
+}

@@ -11,13 +11,19 @@
 
 use super::{runner_files, DockerBackend, OwnContainer, Sandbox};
 use crate::config::FileTransfer;
-use crate::metrics::DockerErrors;
 use crate::session::Session;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
+
+/// Hears what a backend's engine does wrong, so an engine in trouble shows on `/metrics`
+/// without the sandbox layer knowing the metrics' types.
+pub trait EngineObserver: Send + Sync {
+    /// One failed engine call of the operation `op` (`create`, `attach`, `remove`, ...).
+    fn api_error(&self, op: &str);
+}
 
 /// Where a session's files are: its workspace (the broker's index and blob store; on
 /// Docker also the directory the sandbox mounts) and its live sandbox, if it has one.
@@ -79,8 +85,8 @@ pub trait SandboxBackend: Send + Sync {
     /// auto`).
     fn host_memory(&self) -> Option<u64>;
 
-    /// Failed engine calls by operation, shared with `/metrics`.
-    fn api_errors(&self) -> DockerErrors;
+    /// Who hears of failed engine calls (the broker's metrics); set once, at start.
+    fn observe(&self, observer: Arc<dyn EngineObserver>);
 
     /// Places the stored `blob` at `name` below `/mnt/data` (see
     /// `Workspace::place_blob`); returns the placed file's stamp.
@@ -172,8 +178,9 @@ impl SandboxBackend for DockerBackend {
         self.host_memory
     }
 
-    fn api_errors(&self) -> DockerErrors {
-        self.api_errors.clone()
+    fn observe(&self, observer: Arc<dyn EngineObserver>) {
+        // Only the first observer counts: the broker installs it once, at start.
+        let _ = self.observer.set(observer);
     }
 
     fn place_file(

@@ -1,10 +1,10 @@
 // Over 600 lines: the last quarter is the tests of the lockdown each sandbox gets.
 //! Sandboxes as Docker containers, driven through the Engine API (bollard).
 
+use super::backend::EngineObserver;
 use super::channel::AttachOutput;
 use super::{labels, RunnerChannel, Sandbox};
 use crate::config::{Config, SeccompChoice};
-use crate::metrics::{docker_error, DockerErrors};
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
 use bollard::models::{
@@ -60,9 +60,9 @@ pub struct DockerBackend {
     docker: bollard::Docker,
     /// Image, limits and lockdown settings.
     config: Arc<Config>,
-    /// Failed Engine API calls by operation, shared with the broker's metrics so that an
-    /// engine in trouble shows on `/metrics`.
-    pub api_errors: DockerErrors,
+    /// Told of failed Engine API calls (the broker's metrics), so that an engine in
+    /// trouble shows on `/metrics`; unset until the broker installs it.
+    pub(super) observer: std::sync::OnceLock<Arc<dyn EngineObserver>>,
     /// The Docker host's memory in bytes (`docker info`), what CODEBROKER_MAX_CONTAINERS
     /// `auto` is made from; `None` when the engine does not say. The broker may itself
     /// run in a container, so its own view of memory is not the host's.
@@ -92,7 +92,7 @@ impl DockerBackend {
         Ok(DockerBackend {
             docker,
             config,
-            api_errors: DockerErrors::default(),
+            observer: std::sync::OnceLock::new(),
             host_memory,
             seccomp,
         })
@@ -110,7 +110,9 @@ impl DockerBackend {
 
     /// Counts one failed Engine API call of `op`.
     fn failed(&self, op: &str) {
-        docker_error(&self.api_errors, op);
+        if let Some(observer) = self.observer.get() {
+            observer.api_error(op);
+        }
     }
 
     /// Whether the engine answers.
@@ -593,7 +595,7 @@ mod tests {
             docker: bollard::Docker::connect_with_local_defaults().expect("client"),
             seccomp: seccomp_option(&config.sandbox.seccomp).expect("seccomp profile"),
             config: Arc::new(config),
-            api_errors: DockerErrors::default(),
+            observer: std::sync::OnceLock::new(),
             host_memory: None,
         }
     }
