@@ -101,7 +101,8 @@ pub async fn run(
         .context("cannot load the JWT public keys")?;
     let mut state = http::AppState::new(broker.clone(), jwt);
     state.shutdown = stop.child_token();
-    let app = http::router(state);
+    let mcp = mcp::router(&state);
+    let app = http::router(state, mcp);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let limits = http::server::ServeLimits {
         max_connections: broker.config.caps.max_connections,

@@ -3,7 +3,7 @@
 
 use crate::core::error::{Error, Result};
 use crate::core::{Broker, SessionChoice};
-use crate::sandbox::{docker::short, ChannelError, Sandbox, SandboxFiles};
+use crate::sandbox::{docker::short, ChannelError, Sandbox};
 use crate::session::Session;
 use crate::workspace::{FileRecord, HarvestLimits};
 use sandbox_runner::{
@@ -239,7 +239,7 @@ impl Broker {
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
-        notes.extend(crate::sandbox::backend::settle_files(&self.backend, &session).await);
+        notes.extend(self.settle_files(&session).await);
         let timeout_ms = self.exec_timeout_ms(input.timeout_ms, hooks.tools.is_some());
         let ExecHooks {
             events,
@@ -451,6 +451,35 @@ impl Broker {
         Ok(())
     }
 
+    /// Carries out the file moves that waited for `session`'s sandbox (see
+    /// `SandboxBackend::settle_files`) and saves the index when it changed; failures become
+    /// notes, as a harvest's do.
+    async fn settle_files(&self, session: &Arc<Session>) -> Vec<String> {
+        let at = session.files();
+        let mut index = session.index().clone();
+        let backend = self.backend.clone();
+        let settled = tokio::task::spawn_blocking(move || {
+            let (changed, notes) = backend.settle_files(&at, &mut index)?;
+            if changed {
+                at.workspace.save_index(&index)?;
+            }
+            Ok::<_, std::io::Error>((changed.then_some(index), notes))
+        })
+        .await;
+        match settled {
+            Ok(Ok((index, notes))) => {
+                if let Some(index) = index {
+                    *session.index() = index;
+                }
+                notes
+            }
+            failed => {
+                tracing::error!(session = session.id(), result = ?failed.map(|r| r.map(|_| ())), "cannot bring the sandbox's files up to date");
+                vec!["Input files could not be placed".into()]
+            }
+        }
+    }
+
     /// Finds the files the exec created or changed and saves the index.
     pub(crate) async fn harvest(
         &self,
@@ -458,7 +487,7 @@ impl Broker {
         limits: HarvestLimits,
     ) -> Result<(Vec<FileRecord>, Vec<String>)> {
         let mut index = session.index().clone();
-        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
+        let (at, backend) = (session.files(), self.backend.clone());
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
             let report = backend.harvest(&at, &mut index, limits)?;

@@ -6,7 +6,6 @@ use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::{Broker, InputFile};
 use crate::ids::new_id;
-use crate::sandbox::SandboxFiles;
 use crate::session::Session;
 use crate::workspace::{
     human_bytes, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
@@ -102,7 +101,7 @@ impl Broker {
     ) -> Result<Vec<FileRecord>> {
         let _turn = session.acquire().await;
         let workspace = session.workspace.clone();
-        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
+        let (at, backend) = (session.files(), self.backend.clone());
         let read_only =
             options.read_only || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
         let kind = options.kind.clone();
@@ -260,7 +259,7 @@ impl Broker {
             }
             let from = source.workspace.clone();
             let to = session.workspace.clone();
-            let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
+            let (at, backend) = (session.files(), self.backend.clone());
             let rec = record.clone();
             let target_for_copy = target_path.clone();
             let result = tokio::task::spawn_blocking(move || {
@@ -338,7 +337,7 @@ impl Broker {
         };
         save_index(&session.workspace, &index).await?;
         let workspace = session.workspace.clone();
-        let (at, backend) = (SandboxFiles::of(session), self.backend.clone());
+        let (at, backend) = (session.files(), self.backend.clone());
         tokio::task::spawn_blocking(move || {
             for record in dropped.records.iter().filter(|r| r.current) {
                 let _ = backend.remove_file(&at, record);

@@ -338,7 +338,7 @@ async fn exec_stream(
                     stream_event(name, Value::String(chunk.data), ndjson)
                 }
                 WorkerMessage::Display(display) => {
-                    let at = crate::sandbox::SandboxFiles::of(&st.files_of);
+                    let at = st.files_of.files();
                     let backend = st.backend.clone();
                     let left = st.inline_left;
                     let (data, left) = tokio::task::spawn_blocking(move || {

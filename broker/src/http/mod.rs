@@ -70,14 +70,15 @@ impl AppState {
     }
 }
 
-/// Every route, at the root and under `/v1`.
-pub(crate) fn router(state: AppState) -> Router {
+/// Every route, at the root and under `/v1`; `mounted` are the protected routes of other
+/// front ends (MCP), which depend on this layer, not it on them.
+pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
     let protected = Router::new()
         .merge(exec::router())
         .merge(programmatic::router())
         .merge(files::router())
         .merge(health::protected_router())
-        .merge(crate::mcp::router(&state))
+        .merge(mounted)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_auth,
@@ -98,7 +99,7 @@ pub(crate) fn router(state: AppState) -> Router {
     let config = &state.broker.config;
     // `*` serves any Host, but a browser's Origin must still be the page's own host.
     if config.access.auth == AuthMode::None {
-        let hosts = crate::mcp::allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
+        let hosts = allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
         app = app.layer(axum::middleware::from_fn_with_state(
             Arc::new(hosts),
             require_known_host,
@@ -122,6 +123,30 @@ async fn count_refusals(
         state.broker.metrics.rate_limited();
     }
     response
+}
+
+/// The `Host` values to accept: the configured ones plus the public URL's host; `None`
+/// (any) when the list holds `*`.
+pub(crate) fn allowed_hosts(configured: &[String], public_url: &str) -> Option<Vec<String>> {
+    let mut hosts: Vec<String> = configured
+        .iter()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .collect();
+    if hosts.iter().any(|h| h == "*") {
+        return None;
+    }
+    let authority = public_url
+        .split_once("://")
+        .map_or(public_url, |(_, rest)| rest)
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default();
+    let authority = authority.rsplit('@').next().unwrap_or(authority);
+    if !authority.is_empty() {
+        hosts.push(authority.to_string());
+    }
+    Some(hosts)
 }
 
 /// Under `CODEBROKER_AUTH=none`: refuses (403) a request whose `Host` is not one of

@@ -75,7 +75,7 @@ pub(crate) fn service(
     let mut http = StreamableHttpServerConfig::default()
         .with_cancellation_token(state.shutdown.child_token())
         .with_max_request_body_bytes(config.caps.max_body_mb * 1024 * 1024);
-    let hosts = allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
+    let hosts = crate::http::allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
     http = match hosts {
         None => http.disable_allowed_hosts(),
         Some(hosts) => http.with_allowed_hosts(hosts),
@@ -89,33 +89,9 @@ pub(crate) fn service(
     )
 }
 
-/// The `Host` values to accept: the configured ones plus the public URL's host; `None`
-/// (any) when the list holds `*`.
-pub(crate) fn allowed_hosts(configured: &[String], public_url: &str) -> Option<Vec<String>> {
-    let mut hosts: Vec<String> = configured
-        .iter()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .collect();
-    if hosts.iter().any(|h| h == "*") {
-        return None;
-    }
-    let authority = public_url
-        .split_once("://")
-        .map_or(public_url, |(_, rest)| rest)
-        .split(['/', '?', '#'])
-        .next()
-        .unwrap_or_default();
-    let authority = authority.rsplit('@').next().unwrap_or(authority);
-    if !authority.is_empty() {
-        hosts.push(authority.to_string());
-    }
-    Some(hosts)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::http::allowed_hosts;
 
     #[test]
     fn hosts_include_the_public_url() {

@@ -11,7 +11,6 @@
 
 use super::{runner_files, DockerBackend, OwnContainer, Sandbox};
 use crate::config::FileTransfer;
-use crate::session::Session;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use std::io;
 use std::path::Path;
@@ -33,16 +32,6 @@ pub struct SandboxFiles {
     pub workspace: Workspace,
     /// The session's sandbox while its runner can be reached.
     pub sandbox: Option<Arc<Sandbox>>,
-}
-
-impl SandboxFiles {
-    /// The files of `session` as they can be reached now.
-    pub fn of(session: &Session) -> SandboxFiles {
-        SandboxFiles {
-            workspace: session.workspace.clone(),
-            sandbox: session.sandbox().filter(|s| s.is_alive()),
-        }
-    }
 }
 
 /// Creates, finds and removes sandboxes, and moves files in and out of them.
@@ -277,38 +266,6 @@ impl SandboxBackend for DockerBackend {
                 runner_files::apply_pending(&at.workspace, sandbox, index)
             }
             _ => Ok((false, Vec::new())),
-        }
-    }
-}
-
-/// Carries out the file moves that waited for `session`'s sandbox (see
-/// [`SandboxBackend::settle_files`]) and saves the index when it changed; failures become
-/// notes, as a harvest's do.
-pub async fn settle_files(
-    backend: &Arc<dyn SandboxBackend>,
-    session: &Arc<Session>,
-) -> Vec<String> {
-    let at = SandboxFiles::of(session);
-    let mut index = session.index().clone();
-    let backend = backend.clone();
-    let settled = tokio::task::spawn_blocking(move || {
-        let (changed, notes) = backend.settle_files(&at, &mut index)?;
-        if changed {
-            at.workspace.save_index(&index)?;
-        }
-        Ok::<_, io::Error>((changed.then_some(index), notes))
-    })
-    .await;
-    match settled {
-        Ok(Ok((index, notes))) => {
-            if let Some(index) = index {
-                *session.index() = index;
-            }
-            notes
-        }
-        failed => {
-            tracing::error!(session = session.id(), result = ?failed.map(|r| r.map(|_| ())), "cannot bring the sandbox's files up to date");
-            vec!["Input files could not be placed".into()]
         }
     }
 }

@@ -10,7 +10,7 @@ pub(crate) use pool::Pool;
 pub(crate) use registry::Registry;
 
 use crate::clock::now_ms;
-use crate::sandbox::Sandbox;
+use crate::sandbox::{Sandbox, SandboxFiles};
 use crate::workspace::{FileIndex, Workspace};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -106,6 +106,15 @@ impl Session {
     /// The current sandbox.
     pub(crate) fn sandbox(&self) -> Option<Arc<Sandbox>> {
         lock(&self.sandbox).clone()
+    }
+
+    /// Where the session's files are now: its workspace, and its sandbox while the runner
+    /// can be reached.
+    pub(crate) fn files(&self) -> SandboxFiles {
+        SandboxFiles {
+            workspace: self.workspace.clone(),
+            sandbox: self.sandbox().filter(|s| s.is_alive()),
+        }
     }
 
     /// Replaces the sandbox, returning the old one.
