@@ -22,16 +22,16 @@ use std::time::SystemTime;
 /// Where a session's files are: its workspace (the broker's index and blob store; on
 /// Docker also the directory the sandbox mounts) and its live sandbox, if it has one.
 #[derive(Clone)]
-pub struct SandboxFiles {
+pub(crate) struct SandboxFiles {
     /// The session's workspace.
-    pub workspace: Workspace,
+    pub(crate) workspace: Workspace,
     /// The session's sandbox while its runner can be reached.
-    pub sandbox: Option<Arc<Sandbox>>,
+    pub(crate) sandbox: Option<Arc<Sandbox>>,
 }
 
 impl SandboxFiles {
     /// The files of `session` as they can be reached now.
-    pub fn of(session: &Session) -> SandboxFiles {
+    pub(crate) fn of(session: &Session) -> SandboxFiles {
         SandboxFiles {
             workspace: session.workspace.clone(),
             sandbox: session.sandbox().filter(|s| s.is_alive()),
@@ -44,7 +44,7 @@ impl SandboxFiles {
 /// The file methods block (they read and write files, or wait on a runner): call them off
 /// the async threads, with the session's turn held.
 #[async_trait::async_trait]
-pub trait SandboxBackend: Send + Sync {
+pub(crate) trait SandboxBackend: Send + Sync {
     /// Creates and starts a sandbox for `session_id` on `workspace`, attached before it
     /// starts, and waits for its runner to answer (starting its Python kernel if asked).
     async fn create(
@@ -277,7 +277,7 @@ impl SandboxBackend for DockerBackend {
 /// Carries out the file moves that waited for `session`'s sandbox (see
 /// [`SandboxBackend::settle_files`]) and saves the index when it changed; failures become
 /// notes, as a harvest's do.
-pub async fn settle_files(
+pub(crate) async fn settle_files(
     backend: &Arc<dyn SandboxBackend>,
     session: &Arc<Session>,
 ) -> Vec<String> {

@@ -12,17 +12,17 @@ impl Workspace {
     /// The directory of immutable copies of every recorded version, named by SHA-256.
     /// Broker-owned and outside the mount: downloads read from here, so what the sandbox
     /// does later to its files never changes what an id serves.
-    pub fn blobs_dir(&self) -> PathBuf {
+    pub(crate) fn blobs_dir(&self) -> PathBuf {
         self.root.join("blobs")
     }
 
     /// The stored bytes of a version.
-    pub fn blob_path(&self, sha256: &str) -> PathBuf {
+    pub(crate) fn blob_path(&self, sha256: &str) -> PathBuf {
         self.blobs_dir().join(sha256)
     }
 
     /// A new temporary file in the blob store, for an upload to stream into.
-    pub fn blob_temp(&self) -> io::Result<(PathBuf, std::fs::File)> {
+    pub(crate) fn blob_temp(&self) -> io::Result<(PathBuf, std::fs::File)> {
         self.create_blobs_dir()?;
         let path = self.blobs_dir().join(format!(".tmp-{}", new_id()));
         use std::os::unix::fs::OpenOptionsExt as _;
@@ -35,7 +35,7 @@ impl Workspace {
     }
 
     /// Creates the blob store if it is missing, readable by the broker only.
-    pub fn create_blobs_dir(&self) -> io::Result<()> {
+    pub(crate) fn create_blobs_dir(&self) -> io::Result<()> {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -44,7 +44,7 @@ impl Workspace {
     }
 
     /// Moves a finished temporary file into the blob store under its hash.
-    pub fn commit_blob(&self, temp: &Path, sha256: &str) -> io::Result<()> {
+    pub(crate) fn commit_blob(&self, temp: &Path, sha256: &str) -> io::Result<()> {
         let target = self.blob_path(sha256);
         if target.exists() {
             std::fs::remove_file(temp)
@@ -87,7 +87,7 @@ impl Workspace {
     /// Deletes the blobs `shas` that no record of `index` names (the index is saved first,
     /// so a crash in between leaves only unnamed blobs, which [`Workspace::sweep_blobs`]
     /// removes at the next start).
-    pub fn delete_unused_blobs(&self, index: &FileIndex, shas: &[String]) {
+    pub(crate) fn delete_unused_blobs(&self, index: &FileIndex, shas: &[String]) {
         for sha in shas.iter().filter(|sha| !index.uses_blob(sha)) {
             let _ = std::fs::remove_file(self.blob_path(sha));
         }
@@ -97,7 +97,7 @@ impl Workspace {
     /// by a crash between saving the index and deleting them. Run when the broker starts,
     /// before anything uses the session, so that the budget (counted from the index) and
     /// the disk agree. Returns the bytes freed.
-    pub fn sweep_blobs(&self, index: &FileIndex) -> io::Result<u64> {
+    pub(crate) fn sweep_blobs(&self, index: &FileIndex) -> io::Result<u64> {
         let entries = match std::fs::read_dir(self.blobs_dir()) {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
@@ -122,7 +122,7 @@ impl Workspace {
     /// with the sticky bit (see the module doc); any other file and the directories made
     /// for it belong to the sandbox user. Returns the stamp of the placed file, so the next
     /// harvest sees it unchanged.
-    pub fn place_blob(
+    pub(crate) fn place_blob(
         &self,
         blob: &Path,
         name: &Path,

@@ -25,33 +25,33 @@ pub(crate) const MAX_ENTRIES: usize = sandbox_runner::HARVEST_MAX_ENTRIES;
 
 /// A file the harvest found new or changed.
 #[derive(Debug, Clone)]
-pub struct Harvested {
-    pub record: FileRecord,
+pub(crate) struct Harvested {
+    pub(crate) record: FileRecord,
 }
 
 /// What one harvest found.
 #[derive(Debug, Default)]
-pub struct HarvestReport {
+pub(crate) struct HarvestReport {
     /// New or changed files, each with a new id.
-    pub files: Vec<Harvested>,
+    pub(crate) files: Vec<Harvested>,
     /// Notes for stderr: files left out and why, one bounded line per reason.
-    pub notes: Vec<String>,
+    pub(crate) notes: Vec<String>,
     /// Whether the index changed beyond `files` (versions dropped), so it must be saved.
-    pub index_changed: bool,
+    pub(crate) index_changed: bool,
     /// Blobs to delete once the index is saved: those of dropped versions, and of new
     /// versions that were not kept. The caller checks each is still unused.
-    pub unused_blobs: Vec<String>,
+    pub(crate) unused_blobs: Vec<String>,
 }
 
 /// Caps on what one harvest reports.
 #[derive(Debug, Clone, Copy)]
-pub struct HarvestLimits {
+pub(crate) struct HarvestLimits {
     /// Most files reported.
-    pub max_files: usize,
+    pub(crate) max_files: usize,
     /// Largest file reported, in bytes.
-    pub max_file_bytes: u64,
+    pub(crate) max_file_bytes: u64,
     /// What the session's stored versions may take.
-    pub storage: StorageBudget,
+    pub(crate) storage: StorageBudget,
 }
 
 /// Names shown in a note; the rest are counted.
@@ -129,7 +129,7 @@ impl Workspace {
     /// versions that do not fit the storage budget first drop versions that are no longer
     /// current, oldest first; what still does not fit is not kept. Blocking: run it off
     /// the async threads.
-    pub fn harvest(
+    pub(crate) fn harvest(
         &self,
         index: &mut FileIndex,
         limits: HarvestLimits,

@@ -6,44 +6,44 @@ use std::collections::HashMap;
 
 /// One file id: a version of a file in the workspace.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct FileRecord {
+pub(crate) struct FileRecord {
     /// The 21-character id clients download it by.
-    pub id: String,
+    pub(crate) id: String,
     /// Path relative to `/mnt/data`, `/`-separated.
-    pub name: String,
+    pub(crate) name: String,
     /// Size in bytes when it was recorded.
-    pub size: u64,
+    pub(crate) size: u64,
     /// SHA-256 of the content, hex: how changes are told apart (not mtime, which the
     /// sandbox controls).
-    pub sha256: String,
+    pub(crate) sha256: String,
     /// Milliseconds since the epoch when this version was recorded.
-    pub created_ms: u64,
+    pub(crate) created_ms: u64,
     /// Inode and change time when recorded: a cheap "unchanged" check before hashing.
     /// The sandbox cannot set ctime.
     #[serde(default)]
-    pub stamp: Stamp,
+    pub(crate) stamp: Stamp,
     /// Whether this is the newest version of `name` (older ids are kept for clients
     /// that still hold them).
-    pub current: bool,
+    pub(crate) current: bool,
     /// How the file came to be: its kind of origin decides whether it is reported.
     #[serde(default)]
-    pub origin: Origin,
+    pub(crate) origin: Origin,
     /// Uploaded read-only (or as kind `skill`/`agent`): never reported as generated,
     /// whatever the code does to it.
     #[serde(default)]
-    pub read_only: bool,
+    pub(crate) read_only: bool,
     /// The uploader's `kind` (`user`, `agent`, `skill`), for listings.
     #[serde(default)]
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
     /// The id of the version this one replaced.
     #[serde(default)]
-    pub modified_from: Option<String>,
+    pub(crate) modified_from: Option<String>,
 }
 
 /// Where a file version came from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Origin {
+pub(crate) enum Origin {
     /// Written by code in the sandbox.
     #[default]
     Generated,
@@ -55,15 +55,15 @@ pub enum Origin {
 
 /// What a cheap look at a file tells: enough to know it was not touched.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Stamp {
+pub(crate) struct Stamp {
     /// Inode number.
-    pub ino: u64,
+    pub(crate) ino: u64,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
     /// Change time, seconds and nanoseconds.
-    pub ctime: i64,
+    pub(crate) ctime: i64,
     /// Nanoseconds part of the change time.
-    pub ctime_nsec: i64,
+    pub(crate) ctime_nsec: i64,
 }
 
 /// Stored versions are counted in whole blocks of this many bytes (what a file takes on
@@ -76,7 +76,7 @@ const BLOCK: u64 = 4096;
 pub(super) const RECORD_COST: u64 = 1024;
 
 /// What a blob of `size` bytes costs against a storage budget.
-pub fn blob_cost(size: u64) -> u64 {
+pub(crate) fn blob_cost(size: u64) -> u64 {
     size.div_ceil(BLOCK).max(1).saturating_mul(BLOCK)
 }
 
@@ -88,9 +88,9 @@ pub fn blob_cost(size: u64) -> u64 {
 /// maps in step.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(from = "StoredIndex")]
-pub struct FileIndex {
+pub(crate) struct FileIndex {
     /// Every recorded version, oldest first.
-    pub files: Vec<FileRecord>,
+    pub(crate) files: Vec<FileRecord>,
     /// Position in `files` of each id.
     #[serde(skip)]
     by_id: HashMap<String, usize>,
@@ -141,12 +141,12 @@ impl From<StoredIndex> for FileIndex {
 
 /// Versions dropped to make room for new ones.
 #[derive(Debug, Default)]
-pub struct Dropped {
+pub(crate) struct Dropped {
     /// The dropped records.
-    pub records: Vec<FileRecord>,
+    pub(crate) records: Vec<FileRecord>,
     /// Blobs no record named once they were dropped; deleted after the index is saved
     /// (and only if no record names them by then).
-    pub blobs: Vec<String>,
+    pub(crate) blobs: Vec<String>,
 }
 
 impl FileIndex {
@@ -180,17 +180,17 @@ impl FileIndex {
     }
 
     /// The record of file id `id`.
-    pub fn get(&self, id: &str) -> Option<&FileRecord> {
+    pub(crate) fn get(&self, id: &str) -> Option<&FileRecord> {
         self.by_id.get(id).map(|&pos| &self.files[pos])
     }
 
     /// The newest record of `name`.
-    pub fn current(&self, name: &str) -> Option<&FileRecord> {
+    pub(crate) fn current(&self, name: &str) -> Option<&FileRecord> {
         self.current.get(name).map(|&pos| &self.files[pos])
     }
 
     /// Adds `record` as the newest version of its name.
-    pub fn push_current(&mut self, record: FileRecord) {
+    pub(crate) fn push_current(&mut self, record: FileRecord) {
         if let Some(&old) = self.current.get(&record.name) {
             self.files[old].current = false;
         }
@@ -212,25 +212,25 @@ impl FileIndex {
     }
 
     /// Records a new stamp for the unchanged version `id`.
-    pub fn set_stamp(&mut self, id: &str, stamp: Stamp) {
+    pub(crate) fn set_stamp(&mut self, id: &str, stamp: Stamp) {
         if let Some(&pos) = self.by_id.get(id) {
             self.files[pos].stamp = stamp;
         }
     }
 
     /// Whether any record still needs the blob `sha256`.
-    pub fn uses_blob(&self, sha256: &str) -> bool {
+    pub(crate) fn uses_blob(&self, sha256: &str) -> bool {
         self.blobs.contains_key(sha256)
     }
 
     /// What the stored versions cost against the storage budget, in bytes.
-    pub fn stored_bytes(&self) -> u64 {
+    pub(crate) fn stored_bytes(&self) -> u64 {
         self.stored
     }
 
     /// Removes the records whose ids `remove` accepts. Returns them, and the blobs no
     /// record needs any more (the caller deletes those once the index is saved).
-    pub fn remove_where(&mut self, remove: impl Fn(&FileRecord) -> bool) -> Dropped {
+    pub(crate) fn remove_where(&mut self, remove: impl Fn(&FileRecord) -> bool) -> Dropped {
         let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.files)
             .into_iter()
             .partition(|r| remove(r));
@@ -250,12 +250,12 @@ impl FileIndex {
     }
 
     /// Removes the record `id`.
-    pub fn remove(&mut self, id: &str) -> Dropped {
+    pub(crate) fn remove(&mut self, id: &str) -> Dropped {
         self.remove_where(|r| r.id == id)
     }
 
     /// What the versions would cost with every version that is no longer current dropped.
-    pub fn floor_bytes(&self) -> u64 {
+    pub(crate) fn floor_bytes(&self) -> u64 {
         let mut named = std::collections::HashSet::new();
         let mut total = 0;
         for &pos in self.current.values() {
@@ -270,7 +270,7 @@ impl FileIndex {
 
     /// What one more version of `size` bytes costs; nothing for its bytes when a record
     /// already has them (`sha256` known).
-    pub fn cost_of(&self, sha256: Option<&str>, size: u64) -> u64 {
+    pub(crate) fn cost_of(&self, sha256: Option<&str>, size: u64) -> u64 {
         let shared = sha256.is_some_and(|h| self.uses_blob(h));
         RECORD_COST + if shared { 0 } else { blob_cost(size) }
     }
@@ -322,14 +322,14 @@ impl FileIndex {
 
     /// Whether `extra` more bytes could be made to fit within `limit` (see
     /// [`FileIndex::make_room`]); nothing is dropped.
-    pub fn could_fit(&self, extra: u64, limit: u64, replacing: Option<&str>) -> bool {
+    pub(crate) fn could_fit(&self, extra: u64, limit: u64, replacing: Option<&str>) -> bool {
         self.room_plan(extra, limit, replacing, None).is_some()
     }
 
     /// Makes room for `extra` more bytes within `limit` by dropping versions that are no
     /// longer current, oldest first, and last the current version of `replacing`. `None`
     /// when that cannot make room; then nothing is dropped.
-    pub fn make_room(
+    pub(crate) fn make_room(
         &mut self,
         extra: u64,
         limit: u64,
@@ -349,18 +349,18 @@ impl FileIndex {
 /// What a session's stored versions may take: the smaller of its own budget and what its
 /// user's budget leaves it (see `crate::core::files`).
 #[derive(Debug, Clone, Copy)]
-pub struct StorageBudget {
+pub(crate) struct StorageBudget {
     /// Bytes the session's versions may cost in all (`u64::MAX`: no budget).
-    pub room: u64,
+    pub(crate) room: u64,
     /// The configured budget that sets `room`, for notes.
-    pub limit: u64,
+    pub(crate) limit: u64,
     /// Whether that is the user's budget, shared by all their sessions.
-    pub per_user: bool,
+    pub(crate) per_user: bool,
 }
 
 impl StorageBudget {
     /// No budget at all.
-    pub const UNLIMITED: StorageBudget = StorageBudget {
+    pub(crate) const UNLIMITED: StorageBudget = StorageBudget {
         room: u64::MAX,
         limit: 0,
         per_user: false,
@@ -368,7 +368,7 @@ impl StorageBudget {
 
     /// The budget in words, for notes and errors: `the storage budget (the session's
     /// 256.0 MiB, CODEBROKER_SESSION_STORAGE)`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         if self.per_user {
             format!(
                 "the storage budget (the user's {} for all their sessions, CODEBROKER_USER_STORAGE)",
@@ -384,7 +384,7 @@ impl StorageBudget {
 }
 
 /// `bytes` for people: `512 KiB`, `5.0 MiB`, `1.0 GiB`.
-pub fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     const KIB: f64 = 1024.0;
     let b = bytes as f64;
     if b < KIB {

@@ -34,33 +34,33 @@ use std::path::{Path, PathBuf};
 
 /// The directories of one session.
 #[derive(Debug, Clone)]
-pub struct Workspace {
+pub(crate) struct Workspace {
     /// `DATA_DIR/sessions/<id>`: metadata, not visible to the sandbox.
     root: PathBuf,
 }
 
 impl Workspace {
     /// The workspace of `session_id` under `data_dir` (not created).
-    pub fn new(data_dir: &Path, session_id: &str) -> Workspace {
+    pub(crate) fn new(data_dir: &Path, session_id: &str) -> Workspace {
         Workspace {
             root: data_dir.join("sessions").join(session_id),
         }
     }
 
     /// Where the session's metadata lives.
-    pub fn root(&self) -> &Path {
+    pub(crate) fn root(&self) -> &Path {
         &self.root
     }
 
     /// The directory mounted at `/mnt/data`.
-    pub fn files_dir(&self) -> PathBuf {
+    pub(crate) fn files_dir(&self) -> PathBuf {
         self.root.join("files")
     }
 
     /// Creates the directories, or brings existing ones (of an older version) to the modes
     /// and owners described in the module doc: the root 0700, `files/` the broker's, group
     /// of the sandbox, 1770.
-    pub fn create(&self, sandbox_uid: u32) -> io::Result<()> {
+    pub(crate) fn create(&self, sandbox_uid: u32) -> io::Result<()> {
         use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -80,7 +80,7 @@ impl Workspace {
     }
 
     /// Reads `index.json`; a missing one is an empty index.
-    pub fn load_index(&self) -> io::Result<FileIndex> {
+    pub(crate) fn load_index(&self) -> io::Result<FileIndex> {
         match std::fs::read(self.root.join("index.json")) {
             Ok(bytes) => serde_json::from_slice(&bytes)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
@@ -90,18 +90,18 @@ impl Workspace {
     }
 
     /// Writes `index.json` atomically.
-    pub fn save_index(&self, index: &FileIndex) -> io::Result<()> {
+    pub(crate) fn save_index(&self, index: &FileIndex) -> io::Result<()> {
         write_atomic(&self.root.join("index.json"), &serde_json::to_vec(index)?)
     }
 
     /// Reads a JSON metadata file of the session (`session.json`).
-    pub fn load_meta<T: for<'de> Deserialize<'de>>(&self, name: &str) -> io::Result<T> {
+    pub(crate) fn load_meta<T: for<'de> Deserialize<'de>>(&self, name: &str) -> io::Result<T> {
         let bytes = std::fs::read(self.root.join(name))?;
         serde_json::from_slice(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
     }
 
     /// Writes a JSON metadata file of the session atomically.
-    pub fn save_meta<T: Serialize>(&self, name: &str, value: &T) -> io::Result<()> {
+    pub(crate) fn save_meta<T: Serialize>(&self, name: &str, value: &T) -> io::Result<()> {
         write_atomic(&self.root.join(name), &serde_json::to_vec(value)?)
     }
 
@@ -111,7 +111,7 @@ impl Workspace {
     /// follows the directory, not its path. `pooled` must be empty (a fresh pooled
     /// workspace); its metadata directory is removed. On failure nothing is lost: what was
     /// moved goes back.
-    pub fn take_files_dir_of(&self, pooled: &Workspace) -> io::Result<()> {
+    pub(crate) fn take_files_dir_of(&self, pooled: &Workspace) -> io::Result<()> {
         let ours = self.open_files()?;
         let theirs = pooled.open_files()?;
         if theirs.entries()?.next().is_some() {
@@ -152,7 +152,7 @@ impl Workspace {
     /// as the last component, a link leading out anywhere on the path, FIFOs, devices and
     /// sockets are refused (a relative link inside, in a directory part, is followed and
     /// stays beneath). Returns the file and its size.
-    pub fn open_file(&self, name: &str) -> io::Result<(std::fs::File, u64)> {
+    pub(crate) fn open_file(&self, name: &str) -> io::Result<(std::fs::File, u64)> {
         let dir = self.open_files()?;
         let file = open_regular(&dir, Path::new(name))?;
         let file = file.into_std();
@@ -162,7 +162,7 @@ impl Workspace {
 
     /// Removes the sandbox's file `name` if it is still the version `record` describes
     /// (a changed file is the code's, and stays).
-    pub fn remove_if_unchanged(&self, record: &FileRecord) -> io::Result<()> {
+    pub(crate) fn remove_if_unchanged(&self, record: &FileRecord) -> io::Result<()> {
         let dir = self.open_files()?;
         match dir.symlink_metadata(&record.name) {
             Ok(meta)
