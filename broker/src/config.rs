@@ -132,7 +132,7 @@ pub struct Config {
         default_value = "keep",
         value_enum
     )]
-    pub shutdown_containers: ShutdownContainers,
+    pub(crate) shutdown_containers: ShutdownContainers,
 
     /// How files move between the broker and a sandbox: `host` reads and writes the
     /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
@@ -487,7 +487,7 @@ pub struct CodeModeConfig {
 
 /// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
 /// without `iB`/`B`; all powers of 1024).
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
@@ -511,14 +511,14 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 
 /// Longest timeout any `*_MS` setting may hold: a day. Far above any real use, and far
 /// enough below `u64::MAX` that no deadline arithmetic can overflow.
-pub const MAX_MILLIS: u64 = 86_400_000;
+pub(crate) const MAX_MILLIS: u64 = 86_400_000;
 
 /// Largest size any `*_MB` setting may hold: 1 TiB, so that converting it to bytes cannot
 /// overflow (and no host has more).
-pub const MAX_MEBIBYTES: u64 = 1 << 20;
+pub(crate) const MAX_MEBIBYTES: u64 = 1 << 20;
 
 /// Largest request body: bodies are buffered in memory, so 4 GiB is already absurd.
-pub const MAX_BODY_MB: u64 = 4096;
+pub(crate) const MAX_BODY_MB: u64 = 4096;
 
 /// A `*_MS` setting: 1 ms to [`MAX_MILLIS`].
 fn millis() -> clap::builder::RangedU64ValueParser<u64> {
@@ -559,12 +559,12 @@ impl std::str::FromStr for ContainerCap {
 }
 
 /// The fewest containers `auto` gives: one user at work and one more.
-pub const AUTO_CONTAINERS_MIN: usize = 2;
+pub(crate) const AUTO_CONTAINERS_MIN: usize = 2;
 
 impl ContainerCap {
     /// The cap in containers (0: none), for a Docker host with `host_memory` bytes of RAM
     /// (`None`: unknown, which gives the minimum) and sandboxes of `memory_mb` MiB each.
-    pub fn resolve(self, host_memory: Option<u64>, memory_mb: u64) -> usize {
+    pub(crate) fn resolve(self, host_memory: Option<u64>, memory_mb: u64) -> usize {
         match self {
             ContainerCap::Count(n) => n,
             ContainerCap::Auto => {
@@ -604,7 +604,7 @@ impl std::str::FromStr for SeccompChoice {
 
 /// What happens to session containers when the broker stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ShutdownContainers {
+pub(crate) enum ShutdownContainers {
     /// Leave them running; the next start re-attaches to them (or removes them when their
     /// session is gone).
     Keep,
@@ -632,7 +632,7 @@ pub enum AuthMode {
 
 impl Config {
     /// Checks settings that clap cannot check on its own.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if self.access.auth == AuthMode::Key
             && self.api_keys().next().is_none()
             && self.jwt_key_entries().next().is_none()
@@ -656,7 +656,7 @@ impl Config {
     }
 
     /// The configured API keys, blanks dropped.
-    pub fn api_keys(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn api_keys(&self) -> impl Iterator<Item = &str> {
         self.access
             .api_key
             .iter()
@@ -665,7 +665,7 @@ impl Config {
     }
 
     /// The configured JWT public key entries, blanks dropped.
-    pub fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
         self.access
             .jwt_public_keys
             .iter()

@@ -8,9 +8,6 @@ pub mod cli;
 pub mod config;
 pub mod ids;
 pub mod smoke;
-// Public until the sandbox backend trait settles what the rest of the crate uses of it.
-#[doc(hidden)]
-pub mod sandbox;
 
 mod audit;
 mod clock;
@@ -20,6 +17,7 @@ mod identity;
 mod mcp;
 mod metrics;
 mod render;
+mod sandbox;
 mod session;
 mod workspace;
 

@@ -44,7 +44,7 @@ pub(crate) struct CacheLabels {
 
 /// Labels of a failed Docker API call.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DockerOpLabels {
+pub(crate) struct DockerOpLabels {
     /// The broker's operation (`create`, `attach`, `start`, `remove`, `list`, `read_image`).
     pub(crate) op: String,
 }

@@ -19,7 +19,7 @@ use std::time::SystemTime;
 
 /// Hears what a backend's engine does wrong, so an engine in trouble shows on `/metrics`
 /// without the sandbox layer knowing the metrics' types.
-pub trait EngineObserver: Send + Sync {
+pub(crate) trait EngineObserver: Send + Sync {
     /// One failed engine call of the operation `op` (`create`, `attach`, `remove`, ...).
     fn api_error(&self, op: &str);
 }
@@ -27,11 +27,11 @@ pub trait EngineObserver: Send + Sync {
 /// Where a session's files are: its workspace (the broker's index and blob store; on
 /// Docker also the directory the sandbox mounts) and its live sandbox, if it has one.
 #[derive(Clone)]
-pub struct SandboxFiles {
+pub(crate) struct SandboxFiles {
     /// The session's workspace.
-    pub workspace: Workspace,
+    pub(crate) workspace: Workspace,
     /// The session's sandbox while its runner can be reached.
-    pub sandbox: Option<Arc<Sandbox>>,
+    pub(crate) sandbox: Option<Arc<Sandbox>>,
 }
 
 /// Creates, finds and removes sandboxes, and moves files in and out of them.
@@ -39,7 +39,7 @@ pub struct SandboxFiles {
 /// The file methods block (they read and write files, or wait on a runner): call them off
 /// the async threads, with the session's turn held.
 #[async_trait::async_trait]
-pub trait SandboxBackend: Send + Sync {
+pub(crate) trait SandboxBackend: Send + Sync {
     /// Creates and starts a sandbox for `session_id` on `workspace`, attached before it
     /// starts, and waits for its runner to answer (starting its Python kernel if asked).
     async fn create(

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 
 /// Why a request over the channel failed.
 #[derive(Debug, thiserror::Error)]
-pub enum ChannelError {
+pub(crate) enum ChannelError {
     #[error("the sandbox is gone: {0}")]
     Closed(String),
     #[error("the runner answered with an unexpected message: {0}")]
@@ -36,7 +36,7 @@ pub enum ChannelError {
 
 /// Output of the attached container, as bollard yields it: stdout bytes (frames) or
 /// stderr bytes (the runner's own diagnostics).
-pub enum AttachOutput {
+pub(crate) enum AttachOutput {
     Stdout(bytes::Bytes),
     Stderr(bytes::Bytes),
 }
@@ -48,7 +48,7 @@ type Waiters = Arc<Mutex<HashMap<JobId, mpsc::Sender<WorkerMessage>>>>;
 const JOB_QUEUE: usize = 2;
 
 /// A live channel to one runner.
-pub struct RunnerChannel {
+pub(crate) struct RunnerChannel {
     /// The write half of the attach stream; one frame at a time (shared with the
     /// heartbeat task).
     writer: Arc<tokio::sync::Mutex<Pin<Box<dyn AsyncWrite + Send>>>>,
@@ -69,7 +69,7 @@ pub struct RunnerChannel {
 impl RunnerChannel {
     /// Starts demultiplexing `output` and returns the channel. `label` names the sandbox
     /// in logs.
-    pub fn new<S>(label: String, output: S, input: Pin<Box<dyn AsyncWrite + Send>>) -> Self
+    pub(crate) fn new<S>(label: String, output: S, input: Pin<Box<dyn AsyncWrite + Send>>) -> Self
     where
         S: Stream<Item = Result<AttachOutput, String>> + Send + 'static,
     {
@@ -98,7 +98,7 @@ impl RunnerChannel {
 
     /// Sends a [`CoordinatorMessage::Heartbeat`] every `every` while the channel is open,
     /// so that a runner started with an unattended limit knows a broker is still here.
-    pub fn with_heartbeat(mut self, every: std::time::Duration) -> Self {
+    pub(crate) fn with_heartbeat(mut self, every: std::time::Duration) -> Self {
         let writer = self.writer.clone();
         let mut closed = self.closed.clone();
         let mut line = serde_json::to_vec(&Multiplexed(
@@ -131,18 +131,18 @@ impl RunnerChannel {
     }
 
     /// Whether the channel has closed (the runner exited, or a frame was bad).
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.borrow().is_some()
     }
 
     /// Closes the channel from the broker's side; pending requests fail.
-    pub fn close(&self, reason: &str) {
+    pub(crate) fn close(&self, reason: &str) {
         close(&self.close_tx, &self.waiters, reason);
     }
 
     /// Sends a request and waits for the message that ends its job, narrowed to the
     /// request's response; messages on the way are dropped.
-    pub async fn request<R>(&self, request: R) -> Result<R::Response, ChannelError>
+    pub(crate) async fn request<R>(&self, request: R) -> Result<R::Response, ChannelError>
     where
         R: Request,
     {
@@ -152,7 +152,7 @@ impl RunnerChannel {
 
     /// A fresh job id, for a caller that must know it before the request goes out (to
     /// cancel it).
-    pub fn new_job(&self) -> JobId {
+    pub(crate) fn new_job(&self) -> JobId {
         self.next_job.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -161,7 +161,7 @@ impl RunnerChannel {
     /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`;
     /// what it gives back goes on to `sink`. While the sink is full, the job's next
     /// messages wait in the runner (see the module doc).
-    pub async fn request_as<R>(
+    pub(crate) async fn request_as<R>(
         &self,
         job: JobId,
         request: R,
@@ -210,12 +210,12 @@ impl RunnerChannel {
     }
 
     /// Asks the runner to stop the exec of `job`.
-    pub async fn cancel(&self, job: JobId) -> Result<(), ChannelError> {
+    pub(crate) async fn cancel(&self, job: JobId) -> Result<(), ChannelError> {
         self.send(job, CoordinatorMessage::Cancel).await
     }
 
     /// Answers a tool call of the exec of `job`.
-    pub async fn tool_result(
+    pub(crate) async fn tool_result(
         &self,
         job: JobId,
         result: sandbox_runner::ToolResult,

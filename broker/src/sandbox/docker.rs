@@ -23,12 +23,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Where the workspace appears inside every sandbox.
-pub const WORKDIR: &str = "/mnt/data";
+pub(crate) const WORKDIR: &str = "/mnt/data";
 
 /// The sandboxes' syscall filter unless CODEBROKER_SECCOMP names another: Docker's
 /// default profile for a container without capabilities, less io_uring and every socket
 /// family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (each rule says why).
-pub const BUILTIN_SECCOMP: &str = include_str!("seccomp.json");
+pub(crate) const BUILTIN_SECCOMP: &str = include_str!("seccomp.json");
 
 /// How long a new runner may take to answer its first hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
@@ -45,17 +45,17 @@ const EXIT_SIGKILL: i64 = 137;
 
 /// A container of ours found on the engine.
 #[derive(Debug, Clone)]
-pub struct OwnContainer {
+pub(crate) struct OwnContainer {
     /// Docker's id.
-    pub id: String,
+    pub(crate) id: String,
     /// The session label, if it has one.
-    pub session: Option<String>,
+    pub(crate) session: Option<String>,
     /// Whether it is running (only running ones can be re-attached).
-    pub running: bool,
+    pub(crate) running: bool,
 }
 
 /// Creates, attaches to, and removes sandbox containers.
-pub struct DockerBackend {
+pub(crate) struct DockerBackend {
     /// The Engine API client, version negotiated.
     docker: bollard::Docker,
     /// Image, limits and lockdown settings.
@@ -66,7 +66,7 @@ pub struct DockerBackend {
     /// The Docker host's memory in bytes (`docker info`), what CODEBROKER_MAX_CONTAINERS
     /// `auto` is made from; `None` when the engine does not say. The broker may itself
     /// run in a container, so its own view of memory is not the host's.
-    pub host_memory: Option<u64>,
+    pub(crate) host_memory: Option<u64>,
     /// The `seccomp=` security option every sandbox gets (`None`: the daemon's default),
     /// the profile's JSON read once at start-up.
     seccomp: Option<String>,
@@ -75,7 +75,7 @@ pub struct DockerBackend {
 impl DockerBackend {
     /// Connects to the local engine (`DOCKER_HOST` or the default socket) and negotiates
     /// the API version, so Docker 20.10 (API 1.41) works as well as newer engines.
-    pub async fn connect(config: Arc<Config>) -> anyhow::Result<DockerBackend> {
+    pub(crate) async fn connect(config: Arc<Config>) -> anyhow::Result<DockerBackend> {
         let docker = bollard::Docker::connect_with_local_defaults()
             .context("cannot reach the Docker engine")?
             .negotiate_version()
@@ -116,12 +116,12 @@ impl DockerBackend {
     }
 
     /// Whether the engine answers.
-    pub async fn ping(&self) -> bool {
+    pub(crate) async fn ping(&self) -> bool {
         self.docker.ping().await.is_ok()
     }
 
     /// Whether the sandbox image is present.
-    pub async fn image_present(&self) -> bool {
+    pub(crate) async fn image_present(&self) -> bool {
         self.docker
             .inspect_image(&self.config.sandbox.image)
             .await
@@ -244,7 +244,7 @@ impl DockerBackend {
 
     /// Creates and starts a sandbox for `session_id` on `workspace` (a host directory),
     /// attached before it starts so no frame is missed, and waits for its runner to answer.
-    pub async fn create(
+    pub(crate) async fn create(
         &self,
         session_id: &str,
         workspace: &Path,
@@ -300,7 +300,7 @@ impl DockerBackend {
     }
 
     /// Re-attaches to a running container of ours (after a broker restart).
-    pub async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
+    pub(crate) async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
         let channel = self.attach_channel(container_id).await?;
         let sandbox = Sandbox::new(container_id.to_string(), channel);
         // The runner may still run an exec of the broker that died: stop it first. The
@@ -341,7 +341,7 @@ impl DockerBackend {
 
     /// Removes a container, whatever state it is in. Failures are logged: the reconciler
     /// at the next start removes what is left.
-    pub async fn remove(&self, id: &str) {
+    pub(crate) async fn remove(&self, id: &str) {
         let options = RemoveContainerOptionsBuilder::new()
             .force(true)
             .v(true)
@@ -367,7 +367,7 @@ impl DockerBackend {
     /// the engine can tell. The event, not `State.OOMKilled`: that flag stays set for the
     /// container's life once any process was OOM-killed, and Docker 20.10 leaves it unset
     /// when the OOM event comes in after the exit.
-    pub async fn ended_out_of_memory(&self, id: &str, since: SystemTime) -> bool {
+    pub(crate) async fn ended_out_of_memory(&self, id: &str, since: SystemTime) -> bool {
         let running = |state: &Option<bollard::models::ContainerState>| {
             state.as_ref().is_some_and(|s| s.running == Some(true))
         };
@@ -431,7 +431,7 @@ impl DockerBackend {
     }
 
     /// Every container carrying this instance's label.
-    pub async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+    pub(crate) async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
         let filters = HashMap::from([(
             "label".to_string(),
             vec![format!("{}={}", labels::INSTANCE, self.config.instance)],
@@ -465,7 +465,7 @@ impl DockerBackend {
     }
 
     /// Reads one file out of the sandbox image, without starting a container.
-    pub async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
+    pub(crate) async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
         let body = ContainerCreateBody {
             image: Some(self.config.sandbox.image.clone()),
             labels: Some(HashMap::from([(
@@ -570,7 +570,7 @@ fn heartbeat_every(idle_ttl_secs: u64) -> Duration {
 }
 
 /// The first 12 characters of a container id, as `docker ps` shows it.
-pub fn short(id: &str) -> String {
+pub(crate) fn short(id: &str) -> String {
     id.chars().take(12).collect()
 }
 

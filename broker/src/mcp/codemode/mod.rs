@@ -40,25 +40,25 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 /// The internal tool the wrapper reports the code's value and error with.
-pub const RESULT_TOOL: &str = "__codemode_result";
+pub(crate) const RESULT_TOOL: &str = "__codemode_result";
 /// Events of a running `execute` queued for the collector, which drains them at once.
 const EVENT_QUEUE: usize = 16;
 
 /// What one `execute` produced.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
+pub(crate) struct Outcome {
     /// The value the code returned (JS/TS `return`, a lone expression, Python's last
     /// expression), as JSON; `null` when none.
-    pub result: Value,
+    pub(crate) result: Value,
     /// Lines the code printed (console.log/warn/error, print), stdout and stderr in order.
-    pub logs: Vec<String>,
+    pub(crate) logs: Vec<String>,
     /// Why the code failed (an exception, a limit), when it did.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
 }
 
 impl Outcome {
     /// `{result, logs, error}`.
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         json!({ "result": self.result, "logs": self.logs, "error": self.error })
     }
 }
@@ -66,7 +66,7 @@ impl Outcome {
 /// Code mode's settings and connections, shared by every MCP session.
 pub struct CodeMode {
     /// Whether `execute` and `search` are offered.
-    pub enabled: bool,
+    pub(crate) enabled: bool,
     /// Hosts `http.fetch` may reach.
     http_allow: Arc<Vec<HostRule>>,
     /// Variables `env.get` may read.
@@ -192,7 +192,7 @@ impl CodeMode {
 
     /// The description of `execute`: what it does, then the functions as TypeScript
     /// declarations and as Python stubs.
-    pub async fn execute_description(&self) -> String {
+    pub(crate) async fn execute_description(&self) -> String {
         let specs = self.specs().await;
         let outputs = self.output_schemas().await;
         format!(
@@ -211,7 +211,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
     }
 
     /// The functions matching `query`, best first.
-    pub async fn search(&self, query: &str) -> Value {
+    pub(crate) async fn search(&self, query: &str) -> Value {
         let specs = self.specs().await;
         let outputs = self.output_schemas().await;
         let hits: Vec<Value> = rank(&specs, query)
@@ -252,7 +252,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
     }
 
     /// Runs `code` in `session` with the code mode functions; waits for the end.
-    pub async fn run(
+    pub(crate) async fn run(
         self: &Arc<Self>,
         broker: Arc<Broker>,
         session: Arc<Session>,

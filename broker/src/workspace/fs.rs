@@ -1,0 +1,180 @@
+//! The cap-std helpers: beneath-only opens, safe client names, directories made for the
+//! sandbox, atomic writes.
+
+use crate::ids::new_id;
+use cap_fs_ext::{FollowSymlinks, OpenOptionsFollowExt};
+use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt};
+use sha2::{Digest, Sha256};
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+/// Opens a regular file beneath `dir` without following symlinks and without blocking on
+/// a FIFO.
+pub(super) fn open_regular(dir: &Dir, path: &Path) -> io::Result<cap_std::fs::File> {
+    let mut options = OpenOptions::new();
+    options
+        .read(true)
+        .follow(FollowSymlinks::No)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+    let file = dir.open_with(path, &options)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(file)
+}
+
+/// `name` as a relative path that stays beneath its root: no absolute paths, no `..`,
+/// no empty or NUL-bearing components. Used for names clients choose.
+pub(crate) fn safe_relative_path(name: &str) -> Option<PathBuf> {
+    if name.is_empty() || name.len() > 1024 || name.contains('\0') || name.starts_with('/') {
+        return None;
+    }
+    let mut path = PathBuf::new();
+    for part in name.split('/') {
+        match part {
+            "" | "." => continue,
+            ".." => return None,
+            p if p.len() > 255 => return None,
+            p => path.push(p),
+        }
+    }
+    (!path.as_os_str().is_empty()).then_some(path)
+}
+
+/// Opens (creating what is missing) each directory of `rel` beneath `dir`, one level at a
+/// time without following symlinks, and returns the last. Directories it creates belong
+/// to the sandbox user, or, for a read-only file, are protected like `files/`. For a
+/// read-only file, existing directories on the way are protected too: else the code could
+/// rename a directory of its own, with the file in it, and put another in its place.
+/// Changes go through the opened descriptor, so a swapped-in symlink redirects nothing.
+pub(super) fn make_parents(
+    dir: &Dir,
+    rel: &Path,
+    sandbox_uid: u32,
+    read_only: bool,
+) -> io::Result<Dir> {
+    let mut current = dir.try_clone()?;
+    for part in rel.components() {
+        let created = match rustix::fs::mkdirat(
+            &current,
+            part.as_os_str(),
+            rustix::fs::Mode::from_raw_mode(0o700),
+        ) {
+            Ok(()) => true,
+            Err(rustix::io::Errno::EXIST) => false,
+            Err(e) => return Err(e.into()),
+        };
+        // One plain component (the name was checked) and no symlink followed: this stays
+        // beneath `dir`. Opened for reading, not as a path: modes change through it.
+        let next = rustix::fs::openat(
+            &current,
+            part.as_os_str(),
+            dir_flags(),
+            rustix::fs::Mode::empty(),
+        )?;
+        if read_only {
+            protect_dir(&next, sandbox_uid)?;
+        } else if created {
+            hand_to_sandbox(&next, sandbox_uid)?;
+            rustix::fs::fchmod(&next, rustix::fs::Mode::from_raw_mode(0o755))?;
+        }
+        current = Dir::from_std_file(std::fs::File::from(next));
+    }
+    Ok(current)
+}
+
+/// Makes `dir` the broker's, group of the sandbox, mode 1770: the sandbox may add entries,
+/// but may neither list it to others nor unlink or rename entries it does not own.
+/// A broker running as the sandbox's own uid owns everything anyway, and only sets the
+/// mode.
+pub(super) fn protect_dir(dir: impl std::os::fd::AsFd, sandbox_uid: u32) -> io::Result<()> {
+    let me = euid();
+    if me != sandbox_uid {
+        std::os::unix::fs::fchown(&dir, Some(me), Some(sandbox_uid))?;
+    }
+    rustix::fs::fchmod(&dir, rustix::fs::Mode::from_raw_mode(0o1770))?;
+    Ok(())
+}
+
+/// How directories are opened to change their owner and mode: for reading (a path-only
+/// descriptor cannot), never through a symlink.
+pub(super) fn dir_flags() -> rustix::fs::OFlags {
+    use rustix::fs::OFlags;
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// The broker's effective uid.
+pub(super) fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Gives a file or directory the broker created to the sandbox user (nothing to do when
+/// the broker runs as that uid).
+pub(super) fn hand_to_sandbox(fd: impl std::os::fd::AsFd, sandbox_uid: u32) -> io::Result<()> {
+    if euid() == sandbox_uid {
+        return Ok(());
+    }
+    std::os::unix::fs::fchown(fd, Some(sandbox_uid), Some(sandbox_uid))
+}
+
+/// Copies `src` to `dst` while hashing; `None` when more than `max_bytes` came.
+pub(crate) fn copy_hashing(
+    src: &mut impl Read,
+    dst: &mut impl io::Write,
+    max_bytes: u64,
+) -> io::Result<Option<String>> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = src.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        if total > max_bytes {
+            return Ok(None);
+        }
+        hasher.update(&buf[..n]);
+        dst.write_all(&buf[..n])?;
+    }
+    Ok(Some(hex::encode(hasher.finalize())))
+}
+
+/// Writes `path` through a temporary file created 0600, then renamed over it.
+pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let tmp = path.with_extension(format!("tmp-{}", new_id()));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    if let Err(e) = file.write_all(bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_names_stay_beneath_the_root() {
+        assert_eq!(
+            safe_relative_path("skills/pptx/SKILL.md"),
+            Some(PathBuf::from("skills/pptx/SKILL.md"))
+        );
+        assert_eq!(safe_relative_path("./a.csv"), Some(PathBuf::from("a.csv")));
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\0b", "..", "/"] {
+            assert_eq!(safe_relative_path(bad), None, "{bad:?}");
+        }
+    }
+}
