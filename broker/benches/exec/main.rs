@@ -7,6 +7,7 @@
 //! (baseline: `docker run --rm`); 20 new sessions at once (the first burst, then again
 //! with the pool grown, and where a burst of cold starts spends its CPU); 8 sessions x 200 warm execs in
 //! parallel; 10,000 lines of output; a 1 MiB upload read by an exec; 100 MiB up and down;
+//! 100 MiB written by an exec and brought down, through each file path (host and runner);
 //! 200 idle sessions held (broker RSS, memory per container); a C program compiled, then
 //! rerun from the compile cache; the first `import pandas`; a tool-call round trip; a
 //! LibreChat-like churn of many users (containers alive and memory over time).

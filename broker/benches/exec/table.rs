@@ -62,12 +62,12 @@ pub(crate) fn p50(samples: &[Duration]) -> f64 {
 pub(crate) fn print(rows: &[Row], notes: &[String]) {
     println!();
     println!(
-        "| {:<44} | {:>5} | {:>9} | {:>9} | {:>9} | {:<22} | baseline",
+        "| {:<50} | {:>5} | {:>9} | {:>9} | {:>9} | {:<22} | baseline",
         "benchmark", "n", "p50 ms", "p90 ms", "p99 ms", "goal"
     );
     println!(
         "|{}|{}|{}|{}|{}|{}|---",
-        "-".repeat(46),
+        "-".repeat(52),
         "-".repeat(7),
         "-".repeat(11),
         "-".repeat(11),
@@ -77,13 +77,13 @@ pub(crate) fn print(rows: &[Row], notes: &[String]) {
     for row in rows {
         if let Some(figure) = &row.figure {
             println!(
-                "| {:<44} | {:>5} | {:>33} | {:<22} | {}",
+                "| {:<50} | {:>5} | {:>33} | {:<22} | {}",
                 row.name, "", figure, row.goal, row.baseline
             );
         } else {
             let (p50, p90, p99) = summary(&row.samples);
             println!(
-                "| {:<44} | {:>5} | {:>9.2} | {:>9.2} | {:>9.2} | {:<22} | {}",
+                "| {:<50} | {:>5} | {:>9.2} | {:>9.2} | {:>9.2} | {:<22} | {}",
                 row.name,
                 row.samples.len(),
                 p50,
