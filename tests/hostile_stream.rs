@@ -334,8 +334,10 @@ async fn tool_call_frames_of_4_mib_in_a_loop_do_not_pin_the_broker() {
         cpu / calls.max(1) as u32
     );
     assert!(calls >= 5, "the attack hardly ran: {results:?}");
+    // The quadratic scan this guards against cost 645 ms per frame; a linear one costs
+    // 25-85 ms in a debug build, depending on how busy the host's memory is.
     assert!(
-        cpu / (calls as u32) < Duration::from_millis(60),
+        cpu / (calls as u32) < Duration::from_millis(200),
         "broker CPU {cpu:?} for {calls} frames of 4 MB"
     );
     assert!(health < Duration::from_secs(2), "/health took {health:?}");
