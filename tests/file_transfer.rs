@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 async fn runner_broker(tag: &str, adjust: impl FnOnce(&mut Config)) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.file_transfer = FileTransfer::Runner;
+        c.sandbox.file_transfer = FileTransfer::Runner;
         adjust(c);
     })
     .await

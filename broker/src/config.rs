@@ -25,14 +25,9 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
 
-    /// The sandbox profile: image, resources, confinement.
+    /// The sandbox profile: image, resources, confinement, labels, file path.
     #[command(flatten)]
     pub sandbox: SandboxProfile,
-
-    /// Name of this broker; containers carry it as a label so that a restarted broker
-    /// finds its own and leaves other brokers' alone.
-    #[arg(long, env = "CODEBROKER_INSTANCE", default_value = "codebroker")]
-    pub instance: String,
 
     /// Wall-time limit of an exec when the request names none, in milliseconds.
     #[arg(long, env = "CODEBROKER_EXEC_TIMEOUT_MS", default_value_t = 30_000, value_parser = millis())]
@@ -134,18 +129,6 @@ pub struct Config {
     )]
     pub(crate) shutdown_containers: ShutdownContainers,
 
-    /// How files move between the broker and a sandbox: `host` reads and writes the
-    /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
-    /// `runner` goes through the sandbox's runner over its channel and never touches that
-    /// directory (the path of a backend whose sandboxes run on other machines).
-    #[arg(
-        long,
-        env = "CODEBROKER_FILE_TRANSFER",
-        default_value = "host",
-        value_enum
-    )]
-    pub file_transfer: FileTransfer,
-
     /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
     /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
     /// URL, start with it.
@@ -187,7 +170,9 @@ pub struct Config {
     pub audit_code: bool,
 }
 
-/// What every sandbox container is: its image, its resources and its confinement.
+/// What every sandbox container is: its image, its resources and its confinement, the
+/// label that names its broker, and how files move in and out of it. The sandbox backend
+/// takes this group.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SandboxProfile {
     /// The sandbox image every session's container starts from.
@@ -273,6 +258,23 @@ pub struct SandboxProfile {
     /// (runc). A user-space kernel is what stands between code and a host kernel bug.
     #[arg(long, env = "CODEBROKER_RUNTIME", default_value = "")]
     pub runtime: String,
+
+    /// Name of this broker; containers carry it as a label so that a restarted broker
+    /// finds its own and leaves other brokers' alone.
+    #[arg(long, env = "CODEBROKER_INSTANCE", default_value = "codebroker")]
+    pub instance: String,
+
+    /// How files move between the broker and a sandbox: `host` reads and writes the
+    /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
+    /// `runner` goes through the sandbox's runner over its channel and never touches that
+    /// directory (the path of a backend whose sandboxes run on other machines).
+    #[arg(
+        long,
+        env = "CODEBROKER_FILE_TRANSFER",
+        default_value = "host",
+        value_enum
+    )]
+    pub file_transfer: FileTransfer,
 }
 
 /// The pool of started containers kept ready for new sessions.
@@ -422,6 +424,24 @@ pub struct AuthConfig {
     /// 0.8.5 sends it there instead of a header).
     #[arg(long, env = "CODEBROKER_BODY_API_KEY", default_value_t = true, action = clap::ArgAction::Set)]
     pub body_api_key: bool,
+}
+
+impl AuthConfig {
+    /// The configured API keys, blanks dropped.
+    pub(crate) fn api_keys(&self) -> impl Iterator<Item = &str> {
+        self.api_key
+            .iter()
+            .map(|k| k.trim())
+            .filter(|k| !k.is_empty())
+    }
+
+    /// The configured JWT public key entries, blanks dropped.
+    pub(crate) fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
+        self.jwt_public_keys
+            .iter()
+            .map(|k| k.trim())
+            .filter(|k| !k.is_empty())
+    }
 }
 
 /// Code mode on `/mcp`: whether it is offered, what its functions may reach, its time
@@ -634,8 +654,8 @@ impl Config {
     /// Checks settings that clap cannot check on its own.
     pub(crate) fn validate(&self) -> Result<(), String> {
         if self.access.auth == AuthMode::Key
-            && self.api_keys().next().is_none()
-            && self.jwt_key_entries().next().is_none()
+            && self.access.api_keys().next().is_none()
+            && self.access.jwt_key_entries().next().is_none()
         {
             return Err(
                 "no API key: set CODEBROKER_API_KEY (or CODEBROKER_JWT_PUBLIC_KEYS), or \
@@ -655,30 +675,12 @@ impl Config {
         Ok(())
     }
 
-    /// The configured API keys, blanks dropped.
-    pub(crate) fn api_keys(&self) -> impl Iterator<Item = &str> {
-        self.access
-            .api_key
-            .iter()
-            .map(|k| k.trim())
-            .filter(|k| !k.is_empty())
-    }
-
-    /// The configured JWT public key entries, blanks dropped.
-    pub(crate) fn jwt_key_entries(&self) -> impl Iterator<Item = &str> {
-        self.access
-            .jwt_public_keys
-            .iter()
-            .map(|k| k.trim())
-            .filter(|k| !k.is_empty())
-    }
-
     /// A configuration for tests: no auth, defaults elsewhere, data in `data_dir`.
     pub fn for_tests(data_dir: PathBuf, instance: &str) -> Config {
         let mut config = Config::parse_from(["codebroker"]);
         config.access.auth = AuthMode::None;
         config.data_dir = data_dir;
-        config.instance = instance.to_string();
+        config.sandbox.instance = instance.to_string();
         config.listen = "127.0.0.1:0".parse().expect("literal address");
         // Tests on a loaded machine may take longer than the single-use TTL between two
         // execs of one session; the tests of that rule turn it on themselves.
@@ -821,14 +823,14 @@ mod tests {
         assert!(config.validate().is_err());
         let config = Config::parse_from(["codebroker", "--api-key", "a, b"]);
         assert!(config.validate().is_ok());
-        assert_eq!(config.api_keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(config.access.api_keys().collect::<Vec<_>>(), ["a", "b"]);
         let config = Config::parse_from(["codebroker", "--auth", "none"]);
         assert!(config.validate().is_ok());
         // A JWT key alone is enough too.
         let config = Config::parse_from(["codebroker", "--jwt-public-keys", "k=/keys/lc.pem"]);
         assert!(config.validate().is_ok());
         assert_eq!(
-            config.jwt_key_entries().collect::<Vec<_>>(),
+            config.access.jwt_key_entries().collect::<Vec<_>>(),
             ["k=/keys/lc.pem"]
         );
     }

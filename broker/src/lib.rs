@@ -37,8 +37,8 @@ use tokio_util::sync::CancellationToken;
 /// containers: everything `run` needs, ready to serve.
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
-    let jwt =
-        http::jwt::JwtKeys::from_config(&config).context("cannot load the JWT public keys")?;
+    // Checked here, so a bad key stops the start; `run` loads them again for the routes.
+    http::jwt::JwtKeys::load(&config.access).context("cannot load the JWT public keys")?;
     if identity::check(config.sandbox.sandbox_uid)? == identity::Identity::SameAsSandbox {
         tracing::warn!(
             uid = config.sandbox.sandbox_uid,
@@ -64,12 +64,10 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", config.data_dir.display()))?;
     let config = Arc::new(config);
-    let docker = DockerBackend::connect(config.clone()).await?;
+    let docker = DockerBackend::connect(config.sandbox.clone(), config.idle_ttl_secs).await?;
     if !docker.image_present().await {
         tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
     }
-    // Checked here, so a bad key stops the start; `run` loads them again for the routes.
-    drop(jwt);
     let broker = Arc::new(Broker::new(config, Arc::new(docker)));
     broker
         .reconcile()
@@ -90,13 +88,15 @@ pub async fn run(
     let stop = CancellationToken::new();
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
         broker.backend.clone(),
-        broker.config.clone(),
+        broker.config.data_dir.as_path().into(),
+        broker.config.sandbox.sandbox_uid,
         stop.child_token(),
     ));
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop.child_token()));
 
-    let jwt = http::jwt::JwtKeys::from_config(&broker.config)
+    let jwt = http::jwt::JwtKeys::load(&broker.config.access)
         .context("cannot load the JWT public keys")?;
+    jwt.log_loaded();
     let mut state = http::AppState::new(broker.clone(), jwt);
     state.shutdown = stop.child_token();
     let mcp = mcp::router(&state);

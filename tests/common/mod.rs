@@ -93,7 +93,7 @@ impl TestBroker {
     /// A broker on this configuration, driven through `client`, with no log subscriber
     /// set up (the bench prints its own table on stdout).
     pub async fn serve_with_client(config: Config, client: reqwest::Client) -> TestBroker {
-        let instance = config.instance.clone();
+        let instance = config.sandbox.instance.clone();
         let data = config.data_dir.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -13,7 +13,7 @@
 //! (`User-Id`, a JWT) gets a budget per user.
 
 use crate::clock::now_ms;
-use crate::config::Config;
+use crate::config::Caps;
 use crate::core::error::{Error, Result};
 use crate::session::Registry;
 use std::collections::HashMap;
@@ -92,22 +92,25 @@ impl Drop for ContainerSlot<'_> {
 }
 
 impl Limits {
-    /// The limits the configuration asks for, on a Docker host with `host_memory` bytes
-    /// of RAM (`None`: unknown).
-    pub(crate) fn from_config(config: &Config, host_memory: Option<u64>) -> Limits {
-        let exec_rate = (config.caps.rate_execs_per_minute > 0).then(|| {
-            let burst = if config.caps.rate_burst > 0 {
-                config.caps.rate_burst
+    /// The limits `caps` asks for, on a host with `host_memory` bytes of RAM (`None`:
+    /// unknown) running sandboxes of `sandbox_memory_mb` each; a session stays busy for at
+    /// most `busy_for_ms` (the longest exec allowed).
+    pub(crate) fn new(
+        caps: &Caps,
+        sandbox_memory_mb: u64,
+        busy_for_ms: u64,
+        host_memory: Option<u64>,
+    ) -> Limits {
+        let exec_rate = (caps.rate_execs_per_minute > 0).then(|| {
+            let burst = if caps.rate_burst > 0 {
+                caps.rate_burst
             } else {
-                config.caps.rate_execs_per_minute
+                caps.rate_execs_per_minute
             };
-            TokenBuckets::new(config.caps.rate_execs_per_minute, burst)
+            TokenBuckets::new(caps.rate_execs_per_minute, burst)
         });
-        let max_total = config
-            .caps
-            .max_containers
-            .resolve(host_memory, config.sandbox.memory_mb);
-        let max_per_user = match (config.caps.max_sessions_per_user, max_total) {
+        let max_total = caps.max_containers.resolve(host_memory, sandbox_memory_mb);
+        let max_per_user = match (caps.max_sessions_per_user, max_total) {
             (0, _) => 0,
             (n, 0) => n,
             (n, total) => n.min(total.div_ceil(2)),
@@ -116,7 +119,7 @@ impl Limits {
             exec_rate,
             max_per_user,
             max_total,
-            busy_for_ms: config.max_exec_timeout_ms,
+            busy_for_ms,
             starting: Mutex::new(Starting::default()),
         }
     }
@@ -303,13 +306,18 @@ impl TokenBuckets {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ContainerCap;
+    use crate::config::{Config, ContainerCap};
     use std::time::Duration;
 
     fn limits(adjust: impl FnOnce(&mut Config)) -> Limits {
         let mut config = Config::for_tests("/tmp".into(), "limits-test");
         adjust(&mut config);
-        Limits::from_config(&config, None)
+        Limits::new(
+            &config.caps,
+            config.sandbox.memory_mb,
+            config.max_exec_timeout_ms,
+            None,
+        )
     }
 
     fn retry_after(err: Error) -> u64 {

@@ -48,12 +48,13 @@ impl Broker {
         backend.observe(metrics.clone());
         Broker {
             registry: Registry::new(&config.data_dir),
-            pool: Arc::new(Pool::new(
-                config.pool.pool_size,
-                config.pool.pool_max,
-                config.pool.pool_refill_concurrency,
-            )),
-            limits: Limits::from_config(&config, backend.host_memory()),
+            pool: Arc::new(Pool::new(&config.pool)),
+            limits: Limits::new(
+                &config.caps,
+                config.sandbox.memory_mb,
+                config.max_exec_timeout_ms,
+                backend.host_memory(),
+            ),
             metrics,
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
             backend,

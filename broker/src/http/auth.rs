@@ -138,7 +138,7 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
     };
     let body_key = key_in_body(&bytes);
     match body_key {
-        Some(key) if key_matches(config.api_keys(), &key) => {
+        Some(key) if key_matches(config.access.api_keys(), &key) => {
             // Authenticated now: the budget is for reading unauthenticated bytes.
             drop(permit);
             next.run(Request::from_parts(parts, Body::from(bytes)))
@@ -192,7 +192,9 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
     let broker = &state.broker;
     let config = &broker.config;
     if let Some(token) = bearer_token(headers) {
-        if !state.jwt.is_empty() && looks_like_jwt(token) && !key_matches(config.api_keys(), token)
+        if !state.jwt.is_empty()
+            && looks_like_jwt(token)
+            && !key_matches(config.access.api_keys(), token)
         {
             return match state.jwt.verify(token) {
                 Ok(verified) => {
@@ -207,7 +209,7 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
         }
     }
     match header_key(headers) {
-        Some(key) if key_matches(config.api_keys(), key) => Ok(HeaderAuth::Key),
+        Some(key) if key_matches(config.access.api_keys(), key) => Ok(HeaderAuth::Key),
         Some(_) => Err(AppError::Unauthorized),
         None => Ok(HeaderAuth::Absent),
     }

@@ -143,10 +143,10 @@ impl ExecBody {
     responses(
         (status = 200, description = "The exec's output", body = crate::http::openapi::ExecResponseDoc),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 403, description = "An input file belongs to another user", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::WrongShape,
+        crate::http::openapi::RateLimited,
         (status = 503, description = "No sandbox can be started right now", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -278,9 +278,9 @@ fn display_json(
     responses(
         (status = 200, description = "`stdout`, `stderr`, `display` events, then `result` (the /exec response) or `error` (the error envelope); NDJSON lines `{event, data}` with `Accept: application/x-ndjson`", content_type = "text/event-stream"),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
+        crate::http::openapi::WrongShape,
+        crate::http::openapi::RateLimited,
     )
 )]
 async fn exec_stream(

@@ -120,7 +120,7 @@ impl HealthCache {
     security(("api_key" = []), ("bearer" = [])),
     responses(
         (status = 200, description = "Packages per language", content_type = "application/json"),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 503, description = "The sandbox image cannot be read", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -137,7 +137,7 @@ async fn libraries(State(state): State<AppState>) -> AppResult<Json<serde_json::
     security(("api_key" = []), ("bearer" = [])),
     responses(
         (status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text"),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
     )
 )]
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {

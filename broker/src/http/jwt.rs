@@ -7,7 +7,7 @@
 //! `aud` are the configured ones, `exp` and `nbf` hold now, `sub` names the user, and it
 //! is used at most [`MAX_LIFETIME_SECS`] after it was issued.
 
-use crate::config::Config;
+use crate::config::AuthConfig;
 use anyhow::{bail, Context};
 use jsonwebtoken::{decode, decode_header, Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
@@ -71,19 +71,25 @@ struct Claims {
 impl JwtKeys {
     /// Loads `CODEBROKER_JWT_PUBLIC_KEYS`: each entry is a PEM file path or an inline PEM
     /// (with `\n` escapes allowed), optionally `kid=` first.
-    pub(crate) fn from_config(config: &Config) -> anyhow::Result<JwtKeys> {
+    pub(crate) fn load(config: &AuthConfig) -> anyhow::Result<JwtKeys> {
         let mut keys = Vec::new();
         for entry in config.jwt_key_entries() {
             let key = parse_entry(entry)
                 .with_context(|| format!("bad CODEBROKER_JWT_PUBLIC_KEYS entry {entry:?}"))?;
-            tracing::info!(kid = ?key.kid, alg = ?key.alg, source = %key.source, "JWT public key loaded");
             keys.push(key);
         }
         Ok(JwtKeys {
             keys,
-            issuer: config.access.jwt_issuer.clone(),
-            audience: config.access.jwt_audience.clone(),
+            issuer: config.jwt_issuer.clone(),
+            audience: config.jwt_audience.clone(),
         })
+    }
+
+    /// Logs which keys are trusted, once, when the broker starts serving.
+    pub(crate) fn log_loaded(&self) {
+        for key in &self.keys {
+            tracing::info!(kid = ?key.kid, alg = ?key.alg, source = %key.source, "JWT public key loaded");
+        }
     }
 
     /// Whether no key is configured (JWTs are then not accepted).
@@ -234,6 +240,7 @@ fn split_kid(entry: &str) -> (Option<String>, &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use jsonwebtoken::{encode, EncodingKey, Header};
     use serde_json::{json, Value};
 
@@ -254,7 +261,7 @@ mod tests {
     fn load(entries: &[String]) -> JwtKeys {
         let mut config = Config::for_tests("/tmp".into(), "jwt-test");
         config.access.jwt_public_keys = entries.to_vec();
-        JwtKeys::from_config(&config).expect("keys load")
+        JwtKeys::load(&config.access).expect("keys load")
     }
 
     /// Ed25519 key A as `ed-a`, RSA key A as `rsa-a`, both inline.
@@ -331,10 +338,10 @@ mod tests {
     fn bad_entries_are_start_up_errors() {
         let mut config = Config::for_tests("/tmp".into(), "jwt-test");
         config.access.jwt_public_keys = vec!["/no/such/key.pem".into()];
-        assert!(JwtKeys::from_config(&config).is_err());
+        assert!(JwtKeys::load(&config.access).is_err());
         // A private key is refused: the broker only ever needs the public half.
         config.access.jwt_public_keys = vec![ED_A.replace('\n', "\\n")];
-        assert!(JwtKeys::from_config(&config).is_err());
+        assert!(JwtKeys::load(&config.access).is_err());
         assert_eq!(split_kid("k=./a.pem"), (Some("k".into()), "./a.pem"));
         assert_eq!(split_kid("./a=b.pem"), (None, "./a=b.pem"));
         assert_eq!(split_kid(" /etc/k.pem "), (None, "/etc/k.pem"));
@@ -379,7 +386,7 @@ mod tests {
         config.access.jwt_public_keys = vec![ED_A_PUB.replace('\n', "\\n")];
         config.access.jwt_issuer = "me".into();
         config.access.jwt_audience = "broker".into();
-        let keys = JwtKeys::from_config(&config).expect("keys");
+        let keys = JwtKeys::load(&config.access).expect("keys");
         assert!(keys.verify(&ed(&claims("u"))).is_err());
         let mut c = claims("u");
         c["iss"] = json!("me");

@@ -46,7 +46,9 @@ async fn lobe_auth(State(state): State<AppState>, request: Request, next: Next) 
     if config.access.auth == AuthMode::None {
         return next.run(request).await;
     }
-    if settings_key(request.headers()).is_some_and(|key| key_matches(config.api_keys(), &key)) {
+    if settings_key(request.headers())
+        .is_some_and(|key| key_matches(config.access.api_keys(), &key))
+    {
         return next.run(request).await;
     }
     require_auth(State(state), request, next).await
@@ -161,9 +163,9 @@ pub(crate) struct LobeArgs {
     responses(
         (status = 200, description = "Output, images and file links as markdown", content_type = "text/markdown"),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
+        crate::http::openapi::WrongShape,
+        crate::http::openapi::RateLimited,
     )
 )]
 async fn run(

@@ -30,6 +30,36 @@ pub(crate) struct ErrorBody {
     pub(crate) retry_after_seconds: Option<u64>,
 }
 
+// The error answers many routes share, named once so each route lists them by name. They
+// exist only for the document; no handler builds them.
+
+/// 401: no credentials, or bad ones (every route behind auth).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum Unauthorized {
+    #[response(status = 401, description = "Missing or invalid credentials")]
+    Unauthorized(ErrorBody),
+}
+
+/// 422: well-formed JSON of the wrong shape (the routes with a JSON body).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum WrongShape {
+    #[response(status = 422, description = "Well-formed JSON of the wrong shape")]
+    WrongShape(ErrorBody),
+}
+
+/// 429: a rate or capacity limit (the routes that run code).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum RateLimited {
+    #[response(
+        status = 429,
+        description = "Rate or capacity limit; `retry_after_seconds` says when to retry"
+    )]
+    RateLimited(ErrorBody),
+}
+
 /// One file an exec created or changed.
 #[derive(Serialize, ToSchema)]
 pub(crate) struct ExecFileDoc {
@@ -177,7 +207,7 @@ pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     security(("api_key" = []), ("bearer" = [])),
     responses(
         (status = 200, description = "MCP server-sent events", content_type = "text/event-stream"),
-        (status = 401, description = "Missing or invalid credentials", body = ErrorBody),
+        Unauthorized,
     )
 )]
 #[allow(dead_code)]
@@ -193,7 +223,7 @@ fn mcp_get() {}
     request_body(content_type = "application/json", description = "A JSON-RPC message"),
     responses(
         (status = 200, description = "The JSON-RPC answer, as JSON or server-sent events"),
-        (status = 401, description = "Missing or invalid credentials", body = ErrorBody),
+        Unauthorized,
     )
 )]
 #[allow(dead_code)]
@@ -207,7 +237,7 @@ fn mcp_post() {}
     security(("api_key" = []), ("bearer" = [])),
     responses(
         (status = 200, description = "The MCP session is closed"),
-        (status = 401, description = "Missing or invalid credentials", body = ErrorBody),
+        Unauthorized,
     )
 )]
 #[allow(dead_code)]

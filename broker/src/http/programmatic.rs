@@ -157,11 +157,11 @@ struct ProgrammaticBody {
     responses(
         (status = 200, description = "`{status: tool_call_required | completed | error, continuation_token?, tool_calls?, ...the /exec response}`", content_type = "application/json"),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 404, description = "Unknown continuation token", body = crate::http::openapi::ErrorBody),
         (status = 409, description = "Continuation token already used", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "Rate or capacity limit; `retry_after_seconds` says when to retry", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::WrongShape,
+        crate::http::openapi::RateLimited,
     )
 )]
 async fn programmatic(
@@ -462,9 +462,9 @@ struct CancelBody {
     request_body = CancelBody,
     responses(
         (status = 200, description = "The run is stopped", content_type = "application/json"),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 404, description = "No run with that request id", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "Well-formed JSON of the wrong shape", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::WrongShape,
     )
 )]
 async fn cancel(

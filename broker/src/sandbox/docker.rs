@@ -4,7 +4,7 @@
 use super::backend::EngineObserver;
 use super::channel::AttachOutput;
 use super::{labels, RunnerChannel, Sandbox};
-use crate::config::{Config, SeccompChoice};
+use crate::config::{SandboxProfile, SeccompChoice};
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
 use bollard::models::{
@@ -58,8 +58,11 @@ pub(crate) struct OwnContainer {
 pub(crate) struct DockerBackend {
     /// The Engine API client, version negotiated.
     docker: bollard::Docker,
-    /// Image, limits and lockdown settings.
-    config: Arc<Config>,
+    /// Image, limits, lockdown, labels and file path: the sandbox group of the settings.
+    profile: SandboxProfile,
+    /// The broker's idle TTL, from which the runner's unattended limit and the heartbeat
+    /// rate are made (a runner must outlive any idle session its broker keeps).
+    idle_ttl_secs: u64,
     /// Told of failed Engine API calls (the broker's metrics), so that an engine in
     /// trouble shows on `/metrics`; unset until the broker installs it.
     pub(super) observer: std::sync::OnceLock<Arc<dyn EngineObserver>>,
@@ -75,7 +78,10 @@ pub(crate) struct DockerBackend {
 impl DockerBackend {
     /// Connects to the local engine (`DOCKER_HOST` or the default socket) and negotiates
     /// the API version, so Docker 20.10 (API 1.41) works as well as newer engines.
-    pub(crate) async fn connect(config: Arc<Config>) -> anyhow::Result<DockerBackend> {
+    pub(crate) async fn connect(
+        profile: SandboxProfile,
+        idle_ttl_secs: u64,
+    ) -> anyhow::Result<DockerBackend> {
         let docker = bollard::Docker::connect_with_local_defaults()
             .context("cannot reach the Docker engine")?
             .negotiate_version()
@@ -88,10 +94,11 @@ impl DockerBackend {
                 None
             }
         };
-        let seccomp = seccomp_option(&config.sandbox.seccomp)?;
+        let seccomp = seccomp_option(&profile.seccomp)?;
         Ok(DockerBackend {
             docker,
-            config,
+            profile,
+            idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             host_memory,
             seccomp,
@@ -100,12 +107,12 @@ impl DockerBackend {
 
     /// How files move between the broker and its sandboxes.
     pub(super) fn file_transfer(&self) -> crate::config::FileTransfer {
-        self.config.file_transfer
+        self.profile.file_transfer
     }
 
     /// The uid code runs as in the sandboxes, who owns the files placed for it.
     pub(super) fn sandbox_uid(&self) -> u32 {
-        self.config.sandbox.sandbox_uid
+        self.profile.sandbox_uid
     }
 
     /// Counts one failed Engine API call of `op`.
@@ -122,15 +129,12 @@ impl DockerBackend {
 
     /// Whether the sandbox image is present.
     pub(crate) async fn image_present(&self) -> bool {
-        self.docker
-            .inspect_image(&self.config.sandbox.image)
-            .await
-            .is_ok()
+        self.docker.inspect_image(&self.profile.image).await.is_ok()
     }
 
     /// What `docker create` gets for a session's sandbox: the lockdown SECURITY.md describes ("Layers").
     fn container_body(&self, session_id: &str, workspace: &Path) -> ContainerCreateBody {
-        let c = &self.config;
+        let c = &self.profile;
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -141,23 +145,22 @@ impl DockerBackend {
             (labels::CREATED.to_string(), created.to_string()),
         ]);
         // Bounded at parse (at most 1 TiB), so this cannot overflow.
-        let memory =
-            i64::try_from(c.sandbox.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
+        let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
         let tmpfs = HashMap::from([
             (
                 "/tmp".to_string(),
                 format!(
                     "rw,exec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.sandbox.tmp_mb,
-                    scratch_inodes(c.sandbox.tmp_mb)
+                    c.tmp_mb,
+                    scratch_inodes(c.tmp_mb)
                 ),
             ),
             (
                 "/dev/shm".to_string(),
                 format!(
                     "rw,noexec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.sandbox.shm_mb,
-                    scratch_inodes(c.sandbox.shm_mb)
+                    c.shm_mb,
+                    scratch_inodes(c.shm_mb)
                 ),
             ),
         ]);
@@ -168,15 +171,8 @@ impl DockerBackend {
         };
         let host_config = HostConfig {
             binds: Some(vec![format!("{}:{WORKDIR}:rw", workspace.display())]),
-            network_mode: Some(
-                if c.sandbox.network_none {
-                    "none"
-                } else {
-                    "bridge"
-                }
-                .to_string(),
-            ),
-            cap_drop: c.sandbox.drop_capabilities.then(|| vec!["ALL".to_string()]),
+            network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
+            cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
             // Whatever the capabilities: setuid binaries and file capabilities in the
             // image or the workspace never raise privileges.
             security_opt: Some(
@@ -187,14 +183,14 @@ impl DockerBackend {
             // Its own cgroup namespace: on cgroup v1 hosts the sandbox would otherwise
             // read the host's cgroup paths in /proc/self/cgroup.
             cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
-            readonly_rootfs: Some(c.sandbox.readonly_rootfs),
+            readonly_rootfs: Some(c.readonly_rootfs),
             tmpfs: Some(tmpfs),
-            pids_limit: Some(c.sandbox.pids_limit),
+            pids_limit: Some(c.pids_limit),
             memory: Some(memory),
             memory_swap: Some(memory),
-            nano_cpus: Some((c.sandbox.cpus * 1e9) as i64),
+            nano_cpus: Some((c.cpus * 1e9) as i64),
             ulimits: Some(vec![
-                ulimit("nofile", c.sandbox.nofile),
+                ulimit("nofile", c.nofile),
                 ulimit("fsize", fsize_bytes(c)),
             ]),
             ipc_mode: Some("private".to_string()),
@@ -203,30 +199,27 @@ impl DockerBackend {
                 config: None,
             }),
             init: Some(false),
-            runtime: Some(c.sandbox.runtime.trim())
+            runtime: Some(c.runtime.trim())
                 .filter(|r| !r.is_empty())
                 .map(str::to_string),
             ..Default::default()
         };
-        let uid = c.sandbox.sandbox_uid;
+        let uid = c.sandbox_uid;
         ContainerCreateBody {
-            image: Some(c.sandbox.image.clone()),
+            image: Some(c.image.clone()),
             user: Some(format!("{uid}:{uid}")),
             working_dir: Some(WORKDIR.to_string()),
             env: Some(vec![
                 format!("HOME={WORKDIR}"),
                 // The runner watches the workspace against these during each exec.
-                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.sandbox.workspace_quota),
-                format!(
-                    "CODEBROKER_WORKSPACE_MAX_FILES={}",
-                    c.sandbox.workspace_max_files
-                ),
+                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
+                format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
                 // A kept container whose broker never comes back ends itself after the
                 // idle TTL, as the reaper would have removed it.
                 format!(
                     "{}={}",
                     sandbox_runner::UNATTENDED_EXIT_ENV,
-                    unattended_exit_ms(c.idle_ttl_secs)
+                    unattended_exit_ms(self.idle_ttl_secs)
                 ),
             ]),
             open_stdin: Some(true),
@@ -235,7 +228,7 @@ impl DockerBackend {
             attach_stdout: Some(true),
             attach_stderr: Some(true),
             tty: Some(false),
-            network_disabled: Some(c.sandbox.network_none),
+            network_disabled: Some(c.network_none),
             labels: Some(labels),
             host_config: Some(host_config),
             ..Default::default()
@@ -336,7 +329,7 @@ impl DockerBackend {
             Err(err) => Err(err.to_string()),
         });
         let channel = RunnerChannel::new(short(id), output, attached.input);
-        Ok(channel.with_heartbeat(heartbeat_every(self.config.idle_ttl_secs)))
+        Ok(channel.with_heartbeat(heartbeat_every(self.idle_ttl_secs)))
     }
 
     /// Removes a container, whatever state it is in. Failures are logged: the reconciler
@@ -434,7 +427,7 @@ impl DockerBackend {
     pub(crate) async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
         let filters = HashMap::from([(
             "label".to_string(),
-            vec![format!("{}={}", labels::INSTANCE, self.config.instance)],
+            vec![format!("{}={}", labels::INSTANCE, self.profile.instance)],
         )]);
         let options = ListContainersOptionsBuilder::new()
             .all(true)
@@ -467,10 +460,10 @@ impl DockerBackend {
     /// Reads one file out of the sandbox image, without starting a container.
     pub(crate) async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
         let body = ContainerCreateBody {
-            image: Some(self.config.sandbox.image.clone()),
+            image: Some(self.profile.image.clone()),
             labels: Some(HashMap::from([(
                 labels::INSTANCE.to_string(),
-                self.config.instance.clone(),
+                self.profile.instance.clone(),
             )])),
             network_disabled: Some(true),
             ..Default::default()
@@ -538,11 +531,11 @@ fn scratch_inodes(mb: u64) -> u64 {
 
 /// The `fsize` ulimit: CODEBROKER_FSIZE_MB, and never over the workspace quota, so that a
 /// single file cannot outgrow the quota between two of the runner's measurements.
-fn fsize_bytes(c: &Config) -> i64 {
-    let fsize = u64::try_from(c.sandbox.fsize_mb)
+fn fsize_bytes(c: &SandboxProfile) -> i64 {
+    let fsize = u64::try_from(c.fsize_mb)
         .unwrap_or(0)
         .saturating_mul(1024 * 1024);
-    let bytes = match c.sandbox.workspace_quota {
+    let bytes = match c.workspace_quota {
         0 => fsize,
         quota => fsize.min(quota),
     };
@@ -577,6 +570,7 @@ pub(crate) fn short(id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     #[test]
     fn heartbeats_come_at_least_four_times_within_the_unattended_limit() {
@@ -594,7 +588,8 @@ mod tests {
         DockerBackend {
             docker: bollard::Docker::connect_with_local_defaults().expect("client"),
             seccomp: seccomp_option(&config.sandbox.seccomp).expect("seccomp profile"),
-            config: Arc::new(config),
+            profile: config.sandbox,
+            idle_ttl_secs: config.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             host_memory: None,
         }

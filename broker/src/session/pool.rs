@@ -9,11 +9,12 @@
 //! second and a half. It sizes itself to the most takes seen within [`BURST_SPAN`] during
 //! the last [`DEMAND_WINDOW`], and shrinks back when the bursts stop.
 
-use crate::config::Config;
+use crate::config::PoolConfig;
 use crate::ids::new_id;
 use crate::sandbox::{Sandbox, SandboxBackend};
 use crate::workspace::Workspace;
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -120,7 +121,13 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    pub(crate) fn new(size: usize, max: usize, concurrency: usize) -> Pool {
+    /// The pool the pool group of the settings describes.
+    pub(crate) fn new(config: &PoolConfig) -> Pool {
+        let (size, max, concurrency) = (
+            config.pool_size,
+            config.pool_max,
+            config.pool_refill_concurrency,
+        );
         Pool {
             ready: Mutex::new(VecDeque::new()),
             size,
@@ -219,11 +226,13 @@ impl Pool {
         taken
     }
 
-    /// Keeps the pool full until `shutdown` is cancelled; then removes what it holds.
+    /// Keeps the pool full until `shutdown` is cancelled; then removes what it holds. New
+    /// workspaces go under `data_dir`, owned by `sandbox_uid`.
     pub(crate) async fn run_refiller(
         self: Arc<Self>,
         docker: Arc<dyn SandboxBackend>,
-        config: Arc<Config>,
+        data_dir: Arc<Path>,
+        sandbox_uid: u32,
         shutdown: tokio_util::sync::CancellationToken,
     ) {
         if self.size == 0 {
@@ -260,9 +269,9 @@ impl Pool {
                 self.creating.fetch_add(1, Ordering::SeqCst);
                 let pool = self.clone();
                 let docker = docker.clone();
-                let config = config.clone();
+                let data_dir = data_dir.clone();
                 tokio::spawn(async move {
-                    match create_pooled(&*docker, &config).await {
+                    match create_pooled(&*docker, &data_dir, sandbox_uid).await {
                         Ok(pooled) => {
                             let late = {
                                 let mut ready = pool.lock();
@@ -367,10 +376,14 @@ async fn remove(docker: &dyn SandboxBackend, pooled: Pooled) {
     let _ = std::fs::remove_dir_all(pooled.workspace.root());
 }
 
-async fn create_pooled(docker: &dyn SandboxBackend, config: &Config) -> anyhow::Result<Pooled> {
+async fn create_pooled(
+    docker: &dyn SandboxBackend,
+    data_dir: &Path,
+    sandbox_uid: u32,
+) -> anyhow::Result<Pooled> {
     let session_id = new_id();
-    let workspace = Workspace::new(&config.data_dir, &session_id);
-    workspace.create(config.sandbox.sandbox_uid)?;
+    let workspace = Workspace::new(data_dir, &session_id);
+    workspace.create(sandbox_uid)?;
     match docker.create(&session_id, &workspace, true).await {
         Ok(sandbox) => Ok(Pooled {
             session_id,
@@ -388,9 +401,17 @@ async fn create_pooled(docker: &dyn SandboxBackend, config: &Config) -> anyhow::
 mod tests {
     use super::*;
 
+    fn pool(pool_size: usize, pool_max: usize, pool_refill_concurrency: usize) -> Pool {
+        Pool::new(&PoolConfig {
+            pool_size,
+            pool_max,
+            pool_refill_concurrency,
+        })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_pool_grows_to_a_burst_and_shrinks_after_the_window() {
-        let pool = Pool::new(2, 16, 2);
+        let pool = pool(2, 16, 2);
         assert_eq!(pool.target(), 2);
         for _ in 0..20 {
             assert!(pool.take().is_none());
@@ -404,7 +425,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn takes_spread_out_are_not_a_burst() {
-        let pool = Pool::new(1, 16, 2);
+        let pool = pool(1, 16, 2);
         for _ in 0..10 {
             pool.take();
             tokio::time::advance(BURST_SPAN).await;
@@ -419,7 +440,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_pool_of_size_zero_stays_off() {
-        let pool = Pool::new(0, 16, 2);
+        let pool = pool(0, 16, 2);
         for _ in 0..5 {
             assert!(pool.take().is_none());
         }
@@ -428,7 +449,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_maximum_below_the_size_is_the_size() {
-        let pool = Pool::new(4, 1, 2);
+        let pool = pool(4, 1, 2);
         assert_eq!(pool.target(), 4);
         for _ in 0..9 {
             pool.take();

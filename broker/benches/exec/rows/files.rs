@@ -28,7 +28,7 @@ async fn start(data: &std::path::Path, transfer: FileTransfer) -> Bench {
         c.pool.pool_size = 2;
         // A 100 MiB output is harvested, not left out as too large.
         c.max_output_file_mb = 128;
-        c.file_transfer = transfer;
+        c.sandbox.file_transfer = transfer;
     })
     .await
 }

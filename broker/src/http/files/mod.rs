@@ -94,7 +94,7 @@ pub(super) fn base_name(name: &str) -> &str {
     responses(
         (status = 200, description = "The files, in the shape `detail` asks for", content_type = "application/json"),
         (status = 400, description = "Malformed session id", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
     )
 )]
 async fn list_files(
@@ -174,7 +174,7 @@ async fn list_files(
     responses(
         (status = 200, description = "`{name, size, contentType, lastModified}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -205,7 +205,7 @@ async fn object_info(
     responses(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -244,7 +244,7 @@ async fn delete_file(
     responses(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]

@@ -224,7 +224,7 @@ fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
     responses(
         (status = 200, description = "`{message, session_id, storage_session_id, files[{fileId, filename, id, size}]}`", content_type = "application/json"),
         (status = 400, description = "No file, or a bad name", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
         (status = 413, description = "Larger than CODEBROKER_MAX_UPLOAD_MB", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -270,7 +270,7 @@ pub(super) async fn upload(
     responses(
         (status = 200, description = "`{message: success | partial_success | error, session_id, files[{status, fileId?, filename, error?}], succeeded, failed}`", content_type = "application/json"),
         (status = 400, description = "No file in the upload", body = crate::http::openapi::ErrorBody),
-        (status = 401, description = "Missing or invalid credentials", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::Unauthorized,
     )
 )]
 pub(super) async fn upload_batch(
