@@ -101,6 +101,37 @@ async fn output_is_capped_and_reported() {
 }
 
 #[tokio::test]
+async fn a_print_loop_hits_the_output_cap_and_the_kernel_goes_on() {
+    let broker = TestBroker::start("floodloop").await;
+    let resp = broker
+        .run(
+            "py",
+            "for i in range(200000):\n    print(i)\nx = 'kept'",
+            None,
+        )
+        .await;
+    let out = stdout(&resp);
+    assert!(out.len() <= 64 * 1024, "stdout {} bytes", out.len());
+    assert!(
+        out.starts_with("0\n1\n2\n"),
+        "{}",
+        &out[..40.min(out.len())]
+    );
+    let limits = resp["limits"].as_array().expect("limits");
+    assert_eq!(limits, &vec![json!("stdout length exceeded")], "{resp}");
+    assert!(
+        stderr(&resp).contains("Error: stdout length exceeded (limit 65536 bytes)"),
+        "{resp}"
+    );
+    // The same kernel runs the next exec, and its variables survived.
+    let s = session(&resp);
+    let next = broker.run("py", "print(x)", Some(&s)).await;
+    assert_eq!(stdout(&next), "kept\n", "{next}");
+    assert_eq!(next["runtime_status"], "reused", "{next}");
+    assert_eq!(next["limits"], json!([]), "{next}");
+}
+
+#[tokio::test]
 async fn a_crash_is_a_200_with_the_story() {
     let broker = TestBroker::start("crash").await;
     let resp = broker

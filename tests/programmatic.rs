@@ -93,6 +93,21 @@ async fn sequential_and_parallel_python_calls() {
 }
 
 #[tokio::test]
+async fn prints_around_calls_keep_their_place() {
+    let broker = TestBroker::start("ptc-prints").await;
+    // Buffered output is flushed before each call; the exec's stdout is whole and in order.
+    let code = "import sys\nfor i in range(1000):\n    print(i)\nr = await add(a=1, b=2)\n\
+                sys.stderr.write('between\\n')\nprint('after', int(r))";
+    let (done, batches) = drive(&broker, json!({ "code": code, "tools": tools() }), arith).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(batches.len(), 1);
+    let mut want: String = (0..1000).map(|i| format!("{i}\n")).collect();
+    want.push_str("after 3\n");
+    assert_eq!(done["stdout"], want.as_str(), "{done}");
+    assert_eq!(done["stderr"], "between\n", "{done}");
+}
+
+#[tokio::test]
 async fn twenty_round_trips() {
     let broker = TestBroker::start("ptc-20").await;
     let code = "t = 0\nfor i in range(20):\n    t = await add(a=t, b=1)\nprint(int(t))";

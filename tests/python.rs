@@ -95,3 +95,24 @@ async fn a_killed_kernel_is_replaced() {
     let after = broker.run("py", "print('still here')", Some(&s)).await;
     assert_eq!(after["runtime_status"], "reused", "{after}");
 }
+
+#[tokio::test]
+async fn input_and_c_printf_still_flush() {
+    let broker = TestBroker::start("pyflush").await;
+    // stdin is /dev/null: input() shows its prompt after what was printed, then fails.
+    let resp = broker
+        .run("py", "print('before')\nname = input('name? ')", None)
+        .await;
+    assert_eq!(stdout(&resp), "before\nname? ", "{resp}");
+    assert!(stderr(&resp).contains("EOFError"), "{resp}");
+    // C stdio buffered in libc is flushed at the end of the exec, after Python's output.
+    let s = session(&resp);
+    let resp = broker
+        .run(
+            "py",
+            "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.printf(b'from C\\n')\nprint('from Python')",
+            Some(&s),
+        )
+        .await;
+    assert_eq!(stdout(&resp), "from Python\nfrom C\n", "{resp}");
+}

@@ -159,3 +159,187 @@ async fn figures_arrive_as_display_events() {
         .expect("base64");
     assert!(png.starts_with(b"\x89PNG"));
 }
+
+/// The stdout and stderr events of a stream, in order, with runs of one stream joined.
+fn output_runs(events: &[(String, String, Duration)]) -> Vec<(String, String)> {
+    let mut runs: Vec<(String, String)> = Vec::new();
+    for (name, data, _) in events {
+        if name != "stdout" && name != "stderr" {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((last, text)) if last == name => text.push_str(data),
+            _ => runs.push((name.clone(), data.clone())),
+        }
+    }
+    runs
+}
+
+/// POSTs a streamed exec and reads its SSE events, timed from the request.
+async fn stream(broker: &TestBroker, body: Value) -> Vec<(String, String, Duration)> {
+    let started = Instant::now();
+    let resp = broker
+        .client
+        .post(broker.url("/exec/stream"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    sse_events(resp, started).await
+}
+
+#[tokio::test]
+async fn ten_thousand_prints_arrive_whole_and_in_order() {
+    let broker = TestBroker::start("printloop").await;
+    let expected: String = (0..10_000).map(|i| format!("{i}\n")).collect();
+    let loops = [
+        ("py", "for i in range(10000):\n    print(i)"),
+        ("bash", "for i in $(seq 0 9999); do echo $i; done"),
+        ("js", "for (let i = 0; i < 10000; i++) console.log(i);"),
+    ];
+    let first = broker.run("py", "1", None).await;
+    let s = session(&first);
+    for (lang, code) in loops {
+        let body = json!({ "lang": lang, "code": code, "session_id": s });
+        let (status, resp) = broker.exec(body.clone()).await;
+        assert_eq!(status, 200, "{resp}");
+        assert_eq!(stdout(&resp), expected, "{lang}: {resp}");
+        let events = stream(&broker, body).await;
+        let runs = output_runs(&events);
+        assert_eq!(runs.len(), 1, "{lang}: only stdout: {runs:?}");
+        assert_eq!(runs[0].1, expected, "{lang}: the streamed chunks");
+        let result: Value =
+            serde_json::from_str(&events.last().expect("events").1).expect("result json");
+        assert_eq!(stdout(&result), expected, "{lang}: the result");
+    }
+}
+
+#[tokio::test]
+async fn stdout_and_stderr_keep_their_order_in_the_stream() {
+    let broker = TestBroker::start("interleave").await;
+    let cases = [
+        (
+            "py",
+            "import sys, time\nprint('o1')\ntime.sleep(0.05)\nsys.stderr.write('e1\\n')\n\
+             time.sleep(0.05)\nprint('o2')\ntime.sleep(0.05)\nprint('e2', file=sys.stderr)\n\
+             time.sleep(0.05)\nprint('o3')",
+        ),
+        (
+            "bash",
+            "echo o1; sleep 0.05; echo e1 >&2; sleep 0.05; echo o2; sleep 0.05; echo e2 >&2; \
+             sleep 0.05; echo o3",
+        ),
+    ];
+    for (lang, code) in cases {
+        let events = stream(&broker, json!({ "lang": lang, "code": code })).await;
+        let runs = output_runs(&events);
+        let want: Vec<(String, String)> = [
+            ("stdout", "o1\n"),
+            ("stderr", "e1\n"),
+            ("stdout", "o2\n"),
+            ("stderr", "e2\n"),
+            ("stdout", "o3\n"),
+        ]
+        .iter()
+        .map(|(n, d)| (n.to_string(), d.to_string()))
+        .collect();
+        assert_eq!(runs, want, "{lang}: {events:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_line_then_a_sleep_reaches_the_client_before_the_sleep_ends() {
+    let broker = TestBroker::start("linesleep").await;
+    let first = broker.run("py", "1", None).await;
+    let s = session(&first);
+    let cases = [
+        (
+            "py",
+            "import time\nprint('line')\ntime.sleep(1)\nprint('end')",
+        ),
+        ("bash", "echo line; sleep 1; echo end"),
+    ];
+    for (lang, code) in cases {
+        let events = stream(
+            &broker,
+            json!({ "lang": lang, "code": code, "session_id": s }),
+        )
+        .await;
+        let line = events
+            .iter()
+            .find(|(n, d, _)| n == "stdout" && d.contains("line"))
+            .expect("the line");
+        let result = events.last().expect("events");
+        assert_eq!(result.0, "result", "{events:?}");
+        // Not a latency measurement (the machine may be busy): the line comes while the code
+        // sleeps, not with its end.
+        assert!(
+            line.2 < Duration::from_millis(500) && line.2 + Duration::from_millis(500) < result.2,
+            "{lang}: the line after {:?}, the end after {:?}",
+            line.2,
+            result.2
+        );
+    }
+}
+
+/// Print loops end to end through `/exec` on a warm session: this image
+/// (`CODEBROKER_IMAGE`) against `BASELINE_IMAGE` (default `codebroker-sandbox:latest`),
+/// alternating, 30 runs each; prints p50/p99 and how many chunks a stream of each takes.
+/// A measurement, not a check: `cargo test -p codebroker --test streaming -- --ignored
+/// --nocapture print_loop_timings`.
+#[tokio::test]
+#[ignore]
+async fn print_loop_timings() {
+    const RUNS: usize = 30;
+    let baseline = std::env::var("BASELINE_IMAGE").unwrap_or("codebroker-sandbox:latest".into());
+    let images = [common::image(), baseline];
+    let workloads = [
+        ("py", "for i in range(10000):\n    print(i)"),
+        ("py", "print('\\n'.join(str(i) for i in range(10000)))"),
+        ("bash", "for i in $(seq 10000); do echo $i; done"),
+        ("js", "for (let i = 0; i < 10000; i++) console.log(i);"),
+    ];
+    let mut brokers = Vec::new();
+    for image in &images {
+        let image = image.clone();
+        let broker = TestBroker::start_with("printbench", |c| c.sandbox.image = image).await;
+        let s = session(&broker.run("py", "1", None).await);
+        brokers.push((broker, s));
+    }
+    for (lang, code) in workloads {
+        let mut times = vec![Vec::new(); images.len()];
+        let mut inside = vec![Vec::new(); images.len()];
+        for run in 0..RUNS + 3 {
+            for (i, (broker, s)) in brokers.iter().enumerate() {
+                let started = Instant::now();
+                let resp = broker.run(lang, code, Some(s)).await;
+                let took = started.elapsed();
+                assert_eq!(stdout(&resp).lines().count(), 10_000, "{lang}: {resp}");
+                if run >= 3 {
+                    times[i].push(took);
+                    inside[i].push(resp["duration_ms"].as_u64().unwrap_or(0));
+                }
+            }
+        }
+        for (i, image) in images.iter().enumerate() {
+            let (broker, s) = &brokers[i];
+            let events = stream(
+                broker,
+                json!({ "lang": lang, "code": code, "session_id": s }),
+            )
+            .await;
+            let chunks = events.iter().filter(|(n, _, _)| n == "stdout").count();
+            times[i].sort();
+            inside[i].sort();
+            let pct = |v: &[Duration], p: usize| v[(v.len() * p / 100).min(v.len() - 1)];
+            println!(
+                "{image:<32} {lang:<5} {:<52} p50 {:>6.1} ms  p99 {:>6.1} ms  (exec p50 {} ms)  stream: {chunks} chunks",
+                code.replace('\n', "\\n"),
+                pct(&times[i], 50).as_secs_f64() * 1000.0,
+                pct(&times[i], 99).as_secs_f64() * 1000.0,
+                inside[i][inside[i].len() / 2],
+            );
+        }
+    }
+}

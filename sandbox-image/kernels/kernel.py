@@ -26,11 +26,16 @@ Between cells the kernel cleans up after the one before: whatever the cell wrote
 to fds 1 and 2 (repaired if the cell closed or replaced them) before `done`, and exited
 children that nothing in the process will wait for are reaped (see "Children" below).
 
+While a cell runs stdout is block buffered and flushed every 10 ms (see "Output buffering").
+
 Start-up must be fast: nothing heavy (asyncio, matplotlib, and not even json, re, enum or
 linecache) is imported until it is needed. Host testing: CODEBROKER_WORKDIR (default
-/mnt/data) and CODEBROKER_MPL_CACHE (default /opt/codebroker/mplconfig) move the directories.
+/mnt/data) and CODEBROKER_MPL_CACHE (default /opt/codebroker/mplconfig) move the directories;
+CODEBROKER_OUTPUT_FLUSH_MS changes the flush interval.
 """
 
+import _thread
+import io
 import os
 import sys
 
@@ -101,33 +106,139 @@ def _same_file(a, b):
 
 STD_STREAMS = ((0, "stdin"), (1, "stdout"), (2, "stderr"))
 
+# Output buffering. While a cell runs, stdout is block buffered (a print is not a write(2)
+# through the pipe and a wake-up of the runner) and a ticker thread flushes it every
+# FLUSH_INTERVAL, so output still streams. stderr stays line buffered, and before anything
+# is written to it buffered stdout goes out: the two pipes get the text in the order the
+# code wrote it. Buffered output is also flushed when the buffer fills, before a tool call,
+# a display event, a new process (subprocess, os.system, os.exec*, os.posix_spawn,
+# os.spawn*, os.fork), and at the end of the cell; input() flushes stdout itself (stdin is
+# /dev/null). Between cells stdout is line buffered, as user threads that go on printing
+# expect. What bypasses Python's buffers, os.write(1, ...) or a C extension's printf, is not
+# ordered against buffered prints: flush first (print(..., flush=True)), as in any Python
+# program whose output is a pipe. The ticker needs the GIL: code that holds it in C for
+# long (a huge regex, a big-integer power) delays the flush until it lets go.
+
+
+def _flush_interval():
+    """FLUSH_INTERVAL in seconds: 10 ms, or CODEBROKER_OUTPUT_FLUSH_MS (tests lengthen it to
+    see the other flushes alone)."""
+    try:
+        ms = float(os.environ.get("CODEBROKER_OUTPUT_FLUSH_MS") or 10)
+    except ValueError:
+        ms = 10
+    return (ms if 1 <= ms <= 3600000 else 10) / 1000  # also NaN
+
+
+FLUSH_INTERVAL = _flush_interval()
+# Audit events of a new process: what the cell printed goes out before the process writes.
+PROCESS_EVENTS = frozenset(
+    ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn")
+)
+STREAMS = [None]  # the kernel's Streams once it runs, for flush_output()
+
+
+def _flushable(stream):
+    """Whether the kernel may flush this stream from any thread: the io module's own text
+    streams, not an object of the code's with a flush() of its own."""
+    return type(stream) is io.TextIOWrapper or type(stream) is OrderedStderr
+
+
+def _flush_stdout():
+    out = sys.stdout
+    if _flushable(out):
+        try:
+            out.flush()
+        except Exception:
+            pass
+    streams = STREAMS[0]
+    if streams is not None and streams.stdout is not out and _flushable(streams.stdout):
+        try:
+            streams.stdout.flush()
+        except Exception:
+            pass
+
+
+def flush_output():
+    """Send what the cell's Python streams hold (before a tool call, a new process, ...)."""
+    streams = STREAMS[0]
+    if streams is not None:
+        streams.flush_buffers()
+
+
+class OrderedStderr(io.TextIOWrapper):
+    """The kernel's stderr: buffered stdout is flushed before anything is written here."""
+
+    def write(self, s):
+        _flush_stdout()
+        return io.TextIOWrapper.write(self, s)
+
+
+def _flush_before_new_process(event, args):
+    if event in PROCESS_EVENTS:
+        flush_output()
+
 
 class Streams:
     """The kernel's stdin/stdout/stderr, restored before every exec if user code replaced or
-    closed them (sys.stdout = ..., sys.stdout.close(), os.close(1), os.dup2(f, 1), exit())."""
+    closed them (sys.stdout = ..., sys.stdout.close(), os.close(1), os.dup2(f, 1), exit()),
+    and their buffering (see FLUSH_INTERVAL)."""
 
     def __init__(self):
         # Private copies of fds 0-2, to repair them after os.close(1) or os.dup2(x, 1).
         self.saved = {fd: _private_dup(fd) for fd, _ in STD_STREAMS}
-        # Line buffered, so a runner streaming output sees each line when it is printed, and
-        # not write-through (Python's default for pipes), which would cost a write() per
-        # print() argument.
-        for stream in (sys.stdout, sys.stderr):
+        # Line buffered between cells; not write-through (Python's default for pipes), which
+        # would cost a write() per print() argument.
+        try:
+            sys.stdout.reconfigure(line_buffering=True, write_through=False)
+        except Exception:
+            pass
+        err = sys.stderr
+        try:
+            err.flush()
+            ordered = OrderedStderr(
+                err.buffer, encoding=err.encoding, errors=err.errors, newline="\n",
+                line_buffering=True,
+            )
+            err.detach()  # or its finalizer would close the buffer they share
+            err = ordered
+        except Exception:
             try:
-                stream.reconfigure(line_buffering=True, write_through=False)
+                err.reconfigure(line_buffering=True, write_through=False)
             except Exception:
                 pass
-        self.stdin, self.stdout, self.stderr = sys.stdin, sys.stdout, sys.stderr
+        sys.stderr = sys.__stderr__ = err
+        self.stdin, self.stdout, self.stderr = sys.stdin, sys.stdout, err
+        # Held by the ticker while it flushes, and across os.fork(): a child must not inherit
+        # a buffer lock the ticker held (it would hang on its first print).
+        self.lock = _thread.allocate_lock()
+        # Wakes the ticker when a cell starts or ends (a binary semaphore: see _wake_ticker).
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
+        self.ticker_started = False
+        self.ticking = False  # between begin() and end()
+        STREAMS[0] = self
+        try:
+            os.register_at_fork(
+                before=self._before_fork,
+                after_in_parent=self.lock.release,
+                after_in_child=self._after_fork_in_child,
+            )
+        except (AttributeError, RuntimeError):
+            pass
+        try:
+            sys.addaudithook(_flush_before_new_process)
+        except (AttributeError, RuntimeError):
+            pass
 
     def _reopen(self, fd, old):
-        import io
-
         enc = getattr(old, "encoding", None) or "utf-8"
         errors = getattr(old, "errors", None) or "strict"
         if fd == 0:
             return io.TextIOWrapper(io.open(fd, "rb", closefd=False), encoding=enc, errors=errors)
         raw = io.open(fd, "wb", closefd=False)
-        return io.TextIOWrapper(raw, encoding=enc, errors=errors, line_buffering=True)
+        kind = OrderedStderr if fd == 2 else io.TextIOWrapper
+        return kind(raw, encoding=enc, errors=errors, newline="\n", line_buffering=True)
 
     def restore(self):
         for fd, name in STD_STREAMS:
@@ -142,6 +253,75 @@ class Streams:
                 setattr(self, name, stream)
             setattr(sys, name, stream)
             setattr(sys, "__%s__" % name, stream)
+
+    # -- buffering while a cell runs ----------------------------------------------------
+
+    def _line_buffered(self, on):
+        out = self.stdout
+        try:
+            if not out.closed and out.line_buffering != on:
+                out.reconfigure(line_buffering=on)
+        except Exception:
+            pass
+
+    def begin(self):
+        """A cell starts: stdout block buffered, and flushed by the ticker."""
+        if os.getpid() != KERNEL_PID:
+            return
+        self._line_buffered(False)
+        self.ticking = True
+        if not self.ticker_started:
+            _thread.start_new_thread(self._tick, ())
+            self.ticker_started = True
+        self._wake_ticker()
+
+    def end(self):
+        """The cell is over: the ticker rests, stdout is line buffered again."""
+        if self.ticking:
+            self.ticking = False
+            self._wake_ticker()
+        self._line_buffered(True)
+
+    def _wake_ticker(self):
+        try:
+            self.wake.release()
+        except RuntimeError:
+            pass  # released already and not taken yet: the ticker wakes all the same
+
+    def _tick(self):
+        # Signals are the main thread's: one taken here would not interrupt its blocking calls.
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        except (AttributeError, OSError, ValueError):
+            pass
+        while True:
+            if not self.ticking:
+                self.wake.acquire()  # until a cell starts
+            elif not self.wake.acquire(True, FLUSH_INTERVAL) and self.ticking:
+                with self.lock:
+                    self.flush_buffers()
+
+    def flush_buffers(self):
+        """Flush the kernel's streams, and the code's own sys.stdout/sys.stderr when they
+        are io text streams (see _flushable), stdout first."""
+        seen = []
+        for stream in (sys.stdout, self.stdout, sys.stderr, self.stderr):
+            if stream in seen or not _flushable(stream):
+                continue
+            seen.append(stream)
+            try:
+                stream.flush()
+            except Exception:
+                pass
+
+    def _before_fork(self):
+        self.lock.acquire()
+        self.flush_buffers()  # or the child would write the buffered text a second time
+
+    def _after_fork_in_child(self):
+        self.lock.release()
+        self.ticking = False  # no ticker in the child: each line goes out when printed
+        self._line_buffered(True)
 
     def flush(self):
         for stream in (sys.stdout, sys.stderr, self.stdout, self.stderr):
@@ -644,6 +824,7 @@ async def call_tool(socket_path, name, payload):
     if not socket_path:
         raise ToolError("Tool %r is not available: this exec has no tool socket" % name, name)
     batch = await _step_of_call()
+    flush_output()  # what the code printed before the call comes before it
     request = {"name": name, "input": payload}
     if batch:
         request["batch"] = batch
@@ -814,6 +995,7 @@ class Kernel:
 
     def display(self, mime, name):
         """Tell the runner about a file the cell showed (a saved figure)."""
+        flush_output()  # what was printed before the figure comes before it
         try:
             self.channel.send({"event": "display", "id": self.request_id, "mime": mime, "name": name})
         except OSError:
@@ -852,6 +1034,7 @@ class Kernel:
         self.streams.restore()
         if error is not None:
             self.report(error)
+        self.streams.end()
         self.streams.flush()
 
     # -- one exec ------------------------------------------------------------------------
@@ -859,6 +1042,7 @@ class Kernel:
     def prepare(self, args):
         self.end_idle()
         self.streams.restore()
+        self.streams.begin()
         sys.modules["__main__"] = self.main
         sys.argv = ["main.py"] + [str(a) for a in args]
         try:

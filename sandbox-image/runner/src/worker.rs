@@ -14,6 +14,7 @@
 //! persistent kernel), `program` (every other language), `report` (the answer).
 
 mod control;
+mod gather;
 mod kernel;
 mod program;
 mod report;
@@ -300,26 +301,26 @@ impl Worker {
     }
 
     /// Reads what is available on one pipe into `sink`, streaming it if asked; returns
-    /// whether data came.
+    /// how many bytes came (at most [`READ_CHUNK`]).
     fn pump(
         &mut self,
         fd: &mut Option<OwnedFd>,
         which: Stream,
         sink: &mut Capture,
         job: JobId,
-    ) -> bool {
-        let Some(f) = fd.as_ref() else { return false };
+    ) -> usize {
+        let Some(f) = fd.as_ref() else { return 0 };
         match sys::read(f, &mut self.buf) {
             Ok(Read::Data(n)) => {
                 if let Some(text) = sink.push(which, &self.buf[..n]) {
                     self.send_chunk(job, which, text);
                 }
-                true
+                n
             }
-            Ok(Read::WouldBlock) => false,
+            Ok(Read::WouldBlock) => 0,
             Ok(Read::Eof) | Err(_) => {
                 *fd = None;
-                false
+                0
             }
         }
     }

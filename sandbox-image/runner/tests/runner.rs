@@ -882,6 +882,8 @@ struct Transcript {
     calls: Vec<ToolCall>,
     /// When each stdout chunk arrived, from the start of `drive`.
     stdout_at: Vec<Duration>,
+    /// How many chunks had come when each tool call came.
+    chunks_at_call: Vec<usize>,
 }
 
 impl Transcript {
@@ -918,6 +920,7 @@ impl Runner {
                 }
                 WorkerMessage::Display(d) => tr.displays.push(d),
                 WorkerMessage::ToolCall(call) => {
+                    tr.chunks_at_call.push(tr.chunks.len());
                     if let Some(result) = answer(&call) {
                         self.send(job, CoordinatorMessage::ToolResult(result));
                     }
@@ -1434,6 +1437,80 @@ fn streamed_output_is_sent_at_once() {
         assert!(
             last.saturating_sub(first) >= Duration::from_millis(700),
             "{lang}: {first:?} then {last:?}"
+        );
+    }
+}
+
+#[test]
+fn streamed_output_is_gathered_into_few_chunks() {
+    let Some(mut r) = python_runner() else { return };
+    let expected: String = (1..=10_000).map(|i| format!("{i}\n")).collect();
+    let mut cases = vec![
+        (Language::Py, "for i in range(1, 10001):\n    print(i)"),
+        (Language::Bash, "for i in $(seq 10000); do echo $i; done"),
+    ];
+    if have("node") {
+        cases.push((
+            Language::Js,
+            "for (let i = 1; i <= 10000; i++) console.log(i);",
+        ));
+    }
+    for (i, (lang, code)) in cases.into_iter().enumerate() {
+        let mut rq = req(lang, code);
+        rq.stream = true;
+        rq.max_output_bytes = 1 << 20;
+        let (tr, resp) = r.drive(1 + i as u64, rq, |_| None);
+        assert_eq!(resp.exit_code, Some(0), "{lang}: {resp:?}");
+        assert_eq!(tr.text(Stream::Stdout), expected, "{lang}");
+        println!(
+            "{lang}: 10,000 lines in {} chunks, {} ms",
+            tr.chunks.len(),
+            resp.duration_ms
+        );
+        // A chunk per read of up to 64 KiB, and a read per 5 ms at most while the writes
+        // are small: a handful, where a frame per line would be 10,000.
+        assert!(
+            tr.chunks.len() < 1000 + resp.duration_ms as usize / 5,
+            "{lang}: {} chunks",
+            tr.chunks.len()
+        );
+    }
+}
+
+#[test]
+fn output_before_a_tool_call_is_sent_before_it() {
+    let Some(mut r) = python_runner() else { return };
+    let cases = [
+        (
+            Language::Py,
+            "import sys\nfor i in range(3):\n    print('before', i)\nsys.stderr.write('err before\\n')\n\
+             r = await add(a=1, b=2)\nprint('after', r)",
+        ),
+        (
+            Language::Bash,
+            "for i in 0 1 2; do echo before $i; done; echo 'err before' >&2\n\
+             r=$(add '{\"a\":1,\"b\":2}')\necho after $r",
+        ),
+    ];
+    for (i, (lang, code)) in cases.into_iter().enumerate() {
+        let (tr, resp) = r.drive(1 + i as u64, tool_req(lang, code), add);
+        assert_eq!(resp.exit_code, Some(0), "{lang}: {tr:?}");
+        assert_eq!(tr.chunks_at_call.len(), 1, "{lang}: {tr:?}");
+        let before = &tr.chunks[..tr.chunks_at_call[0]];
+        let text = |which: Stream| -> String {
+            (before.iter().filter(|c| c.stream == which))
+                .map(|c| c.data.as_str())
+                .collect()
+        };
+        assert_eq!(
+            text(Stream::Stdout),
+            "before 0\nbefore 1\nbefore 2\n",
+            "{lang}: {tr:?}"
+        );
+        assert_eq!(text(Stream::Stderr), "err before\n", "{lang}: {tr:?}");
+        assert!(
+            tr.text(Stream::Stdout).ends_with("after 3\n"),
+            "{lang}: {tr:?}"
         );
     }
 }

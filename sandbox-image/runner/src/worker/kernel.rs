@@ -1,7 +1,8 @@
 //! The persistent Python kernel: starting it, dropping a dead one, and running one exec
 //! in it over its request and event pipes (see the README's kernel protocol).
 
-use super::{ExecState, Stop, Worker, KILL_GIVE_UP};
+use super::gather::{earlier, Gather};
+use super::{ExecState, Stop, Worker, KILL_GIVE_UP, READ_CHUNK};
 use crate::capture::Capture;
 use crate::reaper::Exit;
 use crate::spawn::Spec;
@@ -215,14 +216,14 @@ impl Worker {
     }
 
     /// [`Worker::pump`] for the kernel's stdout or stderr; a closed pipe breaks the kernel
-    /// (later execs would lose their output), so it gets replaced.
+    /// (later execs would lose their output), so it gets replaced. Returns the bytes read.
     fn pump_kernel(
         &mut self,
         k: &mut Kernel,
         which: Stream,
         sink: &mut Capture,
         job: JobId,
-    ) -> bool {
+    ) -> usize {
         let slot = match which {
             Stream::Stdout => &mut k.stdout,
             Stream::Stderr => &mut k.stderr,
@@ -279,6 +280,7 @@ impl Worker {
         let mut done: Option<i32> = None;
         let mut interrupted_at: Option<Instant> = None;
         let mut killed_at: Option<Instant> = None;
+        let mut gather = Gather::default();
         loop {
             if k.exit.is_none() {
                 k.exit = self.tracker.take_exit(k.pid);
@@ -328,14 +330,25 @@ impl Worker {
             .into_iter()
             .flatten()
             .min();
-            let timeout = wake_at.map(|t| t.saturating_duration_since(now));
+            let timeout = earlier(
+                wake_at.map(|t| t.saturating_duration_since(now)),
+                gather
+                    .next_resume()
+                    .map(|t| t.saturating_duration_since(now)),
+            );
 
             let mut pfds = vec![sys::pollin(&self.wake_r)];
             let mut roles = vec![Role::Wake];
             for (fd, role) in [
-                (&k.stdout, Role::Out),
-                (&k.stderr, Role::Err),
-                (&k.events, Role::Events),
+                (
+                    k.stdout.as_ref().filter(|_| gather.polled(0, now)),
+                    Role::Output,
+                ),
+                (
+                    k.stderr.as_ref().filter(|_| gather.polled(1, now)),
+                    Role::Output,
+                ),
+                (k.events.as_ref(), Role::Events),
             ] {
                 if let Some(fd) = fd {
                     pfds.push(sys::pollin(fd));
@@ -360,18 +373,24 @@ impl Worker {
                 eprintln!("sandbox-runner: poll: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }
+            // Output first, whatever woke us: the kernel flushes it before a display event
+            // or a tool call, so it comes before them.
+            let now = Instant::now();
+            let woken = (pfds.iter().enumerate().skip(1)) // not the wake-up pipe
+                .any(|(i, p)| sys::ready(p) && !matches!(roles.get(i), Some(Role::Requests)));
+            if woken || gather.due(now) {
+                for (i, which) in [Stream::Stdout, Stream::Stderr].into_iter().enumerate() {
+                    let n = self.pump_kernel(&mut k, which, sink, ctl.job);
+                    gather.read(i, n, READ_CHUNK, now);
+                }
+            }
             for (p, role) in pfds.iter().zip(roles) {
                 if !sys::ready(p) {
                     continue;
                 }
                 match role {
                     Role::Wake => sys::drain(&self.wake_r),
-                    Role::Out => {
-                        self.pump_kernel(&mut k, Stream::Stdout, sink, ctl.job);
-                    }
-                    Role::Err => {
-                        self.pump_kernel(&mut k, Stream::Stderr, sink, ctl.job);
-                    }
+                    Role::Output => {} // read above
                     Role::Events => {
                         if let Some(code) = k.read_events(&mut self.buf, Some(id)) {
                             done = Some(code);
@@ -425,7 +444,7 @@ impl Worker {
             for which in [Stream::Stdout, Stream::Stderr] {
                 // Bounded: a background thread printing non-stop must not keep us here.
                 for _ in 0..1024 {
-                    if !self.pump_kernel(&mut k, which, sink, ctl.job) {
+                    if self.pump_kernel(&mut k, which, sink, ctl.job) == 0 {
                         break;
                     }
                 }
@@ -448,10 +467,8 @@ impl Worker {
 enum Role {
     /// The worker's wake-up pipe.
     Wake,
-    /// The kernel's stdout.
-    Out,
-    /// The kernel's stderr.
-    Err,
+    /// The kernel's stdout or stderr (read together, see `gather`).
+    Output,
     /// The kernel's event pipe.
     Events,
     /// The kernel's request pipe, while a request is being written.

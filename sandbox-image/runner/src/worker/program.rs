@@ -1,7 +1,8 @@
 //! Programs other than Python: the source written to a fresh private directory, compiled
 //! when the language needs it (through the compile cache), and run to its end or its stop.
 
-use super::{ExecState, Worker, KILL_GIVE_UP};
+use super::gather::{earlier, Gather};
+use super::{ExecState, Worker, KILL_GIVE_UP, READ_CHUNK};
 use crate::capture::Capture;
 use crate::compile_cache;
 use crate::reaper::Exit;
@@ -198,6 +199,7 @@ impl Worker {
             }
         };
         let mut killed_at: Option<Instant> = None;
+        let mut gather = Gather::default();
         let exit = loop {
             if let Some(status) = self.tracker.take_exit(pid) {
                 break Exit::from_raw(status);
@@ -217,8 +219,19 @@ impl Worker {
                     .deadline
                     .map(|d| d.saturating_duration_since(Instant::now())),
             };
+            let now = Instant::now();
+            let timeout = earlier(
+                timeout,
+                gather
+                    .next_resume()
+                    .map(|t| t.saturating_duration_since(now)),
+            );
             let mut pfds = vec![sys::pollin(&self.wake_r)];
-            pfds.extend(fds.iter().flatten().map(sys::pollin));
+            for (i, fd) in fds.iter().enumerate() {
+                if let Some(fd) = fd.as_ref().filter(|_| gather.polled(i, now)) {
+                    pfds.push(sys::pollin(fd));
+                }
+            }
             let outputs = pfds.len();
             if let Some(tools) = &ctl.tools {
                 tools.pollfds(&mut pfds);
@@ -228,10 +241,13 @@ impl Worker {
                 std::thread::sleep(Duration::from_millis(1));
             }
             sys::drain(&self.wake_r);
-            if pfds[1..outputs].iter().any(sys::ready) {
+            // Output first, whatever woke us: it was written before a tool call that came.
+            let now = Instant::now();
+            if pfds[1..].iter().any(sys::ready) || gather.due(now) {
                 for (i, which) in [Stream::Stdout, Stream::Stderr].into_iter().enumerate() {
                     let mut slot = fds[i].take();
-                    self.pump(&mut slot, which, sink, ctl.job);
+                    let n = self.pump(&mut slot, which, sink, ctl.job);
+                    gather.read(i, n, READ_CHUNK, now);
                     fds[i] = slot;
                 }
             }
