@@ -402,6 +402,10 @@ class Channel:
         self.req_fd, self.evt_fd = req_fd, evt_fd
         self.buf = bytearray()
         self.scanned = 0
+        # The preload thread writes `log` events too: one line at a time on the pipe.
+        import _thread
+
+        self.send_lock = _thread.allocate_lock()
 
     def read(self):
         """The next request line, or None at end of input."""
@@ -422,8 +426,9 @@ class Channel:
         if os.getpid() != KERNEL_PID:
             return
         data = memoryview(_json_line(obj).encode())
-        while data:
-            data = data[os.write(self.evt_fd, data):]
+        with self.send_lock:
+            while data:
+                data = data[os.write(self.evt_fd, data):]
 
 
 # --------------------------------------------------------------------------------------------
@@ -943,6 +948,160 @@ def make_tool_function(func_name, tool, socket_path):
 
 
 # --------------------------------------------------------------------------------------------
+# Preload: a pooled kernel imports the data stack while it waits for its session
+# --------------------------------------------------------------------------------------------
+#
+# A pooled sandbox's kernel is asked, while it waits for its session, to import the broker's
+# CODEBROKER_PRELOAD list: the runner writes `{"type": "preload", "modules": [...]}` on fd 3
+# (when the broker says so: it lets only a few pooled kernels preload at once). A kernel that
+# has received any other request first ignores it. A background thread then imports the
+# modules one by one and, when matplotlib.pyplot is among them, draws one figure (with pandas
+# when it is loaded) and saves it to memory, so that the first plot of the session finds the
+# fonts, the Agg renderer, the PNG writer and pandas' plotting backend loaded. It ends with a
+# `preloaded` event (the runner's `hello` answers say `preloading` until then).
+#
+# Nothing else of it is visible to the session: the figure is a bare matplotlib.figure.Figure
+# (never registered with pyplot, so plt.get_fignums() stays [] and no figure number is used),
+# no option or rc parameter is changed, and the thread ends when done. It runs at the lowest
+# priority, and it stops at the first other request the kernel gets (a cell, or the runner's
+# `stop_preload` when the session's first exec is in another language): from then on the
+# session's own code decides what it imports, and a taken container spends no CPU on
+# modules its session may never use. The import under way when it stops runs to its end;
+# a cell that imports that module waits on Python's import lock, as for any import. A
+# fork() (multiprocessing) waits for the import under way to finish, so the child never
+# inherits a half-imported module whose lock belongs to a thread it does not have. A name
+# that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
+# runner writes it to its stderr, which the broker logs) and skipped.
+
+PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
+FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
+
+
+def preload_names(modules):
+    """The module names of a `preload` request's list, and the entries that are not names."""
+    names, bad = [], []
+    for entry in modules if isinstance(modules, list) else [modules]:
+        entry = entry.strip() if isinstance(entry, str) else entry
+        if not entry:
+            continue
+        if isinstance(entry, str) and all(
+            part.isidentifier() and part.isascii() for part in entry.split(".")
+        ):
+            if entry not in names:
+                names.append(entry)
+        else:
+            bad.append(entry)
+    return names, bad
+
+
+class Preload:
+    """Imports `names` in a background thread until the first request (see "Preload")."""
+
+    def __init__(self, names, bad, kernel):
+        import _thread
+
+        self.names, self.bad, self.kernel = names, bad, kernel
+        self.importing = _thread.allocate_lock()  # held during each import, for fork()
+        self.thread_id = None
+        self.stopped = False  # set by the main thread at the first request
+
+    def stop(self):
+        self.stopped = True
+
+    def start(self):
+        # threading is imported here, in the main thread, so that threading.main_thread() is
+        # the kernel's main thread whoever imports threading next.
+        import threading
+
+        os.register_at_fork(before=self.before_fork)
+        thread = threading.Thread(target=self.run, name="codebroker-preload", daemon=True)
+        thread.start()
+
+    def before_fork(self):
+        import _thread
+
+        if _thread.get_ident() == self.thread_id:
+            return  # a module of the list that forks while it is imported
+        if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
+            self.importing.release()
+
+    def log(self, text):
+        try:
+            self.kernel.channel.send({"event": "log", "message": "preload: " + text[:500]})
+        except Exception:
+            pass
+
+    def run(self):
+        import _thread
+
+        self.thread_id = _thread.get_ident()
+        try:
+            # Its name in ps and /proc, so the work of a pooled container can be told apart.
+            with open("/proc/thread-self/comm", "w") as f:
+                f.write(PRELOAD_THREAD_NAME)
+        except OSError:
+            pass
+        try:
+            # Nice is per thread on Linux: a program the session runs in another language
+            # meanwhile (which the kernel does not see) keeps the container's CPU.
+            os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            self.import_all()
+        finally:
+            # The runner's `hello` answers say `preloading` until this arrives; the broker
+            # then gives the pooled container its CPU weight back.
+            try:
+                self.kernel.channel.send({"event": "preloaded", "stopped": self.stopped})
+            except Exception:
+                pass
+
+    def import_all(self):
+        for entry in self.bad:
+            self.log("not a module name, skipped: %r" % entry)
+        for name in self.names:
+            if self.stopped:
+                return
+            if name in sys.modules:
+                continue
+            try:
+                with self.importing:
+                    __import__(name)
+            except BaseException as e:  # whatever a module raises, the kernel goes on
+                self.log("cannot import %s: %s: %s" % (name, type(e).__name__, e))
+        if self.stopped:
+            return
+        if "matplotlib.pyplot" in self.names and "matplotlib.pyplot" in sys.modules:
+            try:
+                with self.importing:
+                    warm_up_plotting()
+            except BaseException as e:
+                self.log("cannot warm up plotting: %s: %s" % (type(e).__name__, e))
+
+
+def warm_up_plotting():
+    """Draw one figure into memory, outside pyplot's figure registry: the first plot's font
+    loading, Agg renderer and PNG writer (Pillow), and, with pandas loaded, pandas' plotting
+    backend (the first df.plot() imports and sets it up: about half of its cost), done
+    ahead. pandas registers its unit converters only for the duration of a plot call."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure()  # the default size and dpi, as a session's plt.figure() gets
+    ax = fig.add_subplot()
+    pandas = sys.modules.get("pandas")
+    if pandas is not None:
+        pandas.DataFrame({"a": [0, 1, 2], "b": [0, 1, 4]}).plot(ax=ax, title="warm-up")
+    else:
+        ax.plot([0, 1, 2], [0, 1, 4], label="warm-up")
+        ax.set_title("warm-up")
+        ax.legend()
+    fig.savefig(io.BytesIO(), format="png")
+
+
+# --------------------------------------------------------------------------------------------
 # Running code
 # --------------------------------------------------------------------------------------------
 
@@ -964,6 +1123,8 @@ class Kernel:
         self.cell_sigchld = None  # the SIGCHLD disposition a cell set, given back to the next
         self.request_id = None  # the request being run, for display events
         self.tool_globals = {}  # name -> object the kernel put in the globals for tools
+        self.preload = None  # the Preload a `preload` request started
+        self.requests_seen = False  # a request other than `preload` came: no preload now
         DISPLAY[0] = self.display
 
     # -- between cells ---------------------------------------------------------------------
@@ -1190,6 +1351,14 @@ class Kernel:
 
     # -- the request loop -----------------------------------------------------------------
 
+    def start_preload(self, modules):
+        """A `preload` request: only before any other request, and only once."""
+        if self.preload is not None or self.requests_seen:
+            return
+        names, bad = preload_names(modules)
+        self.preload = Preload(names, bad, self)
+        self.preload.start()
+
     def serve(self):
         self.channel.send({"event": "ready"})
         while True:
@@ -1205,6 +1374,14 @@ class Kernel:
                     req = self.loads(line.decode("utf-8"))
                     if not isinstance(req, dict):
                         raise ValueError("not a JSON object")
+                    if req.get("type") == "preload":
+                        self.start_preload(req.get("modules"))
+                        continue  # not answered
+                    self.requests_seen = True
+                    if self.preload is not None:
+                        self.preload.stop()  # the session's code decides what it imports now
+                    if req.get("type") == "stop_preload":
+                        continue  # the runner's, for an exec in another language: no answer
                     req_id = req.get("id")
                     code, args = req.get("code", ""), req.get("args") or []
                     if not isinstance(code, str) or not isinstance(args, list):

@@ -110,6 +110,8 @@ class Kernel:
             self.sel.register(fd, selectors.EVENT_READ, name)
         self.next_id = 1
         self.displays = []
+        self.logs = []  # the messages of `log` events (a preload's failures)
+        self.preloaded = []  # `preloaded` events (the preload thread ended)
         ready = self.event(timeout=30)
         self.start_time = time.monotonic() - self.started
         assert ready == {"event": "ready"}, ready
@@ -140,7 +142,16 @@ class Kernel:
             if i >= 0:
                 line = bytes(buf[:i])
                 del buf[: i + 1]
-                return json.loads(line)
+                ev = json.loads(line)
+                if ev.get("event") == "log":  # may come at any time: kept aside
+                    assert set(ev) == {"event", "message"}, ev
+                    self.logs.append(ev["message"])
+                    continue
+                if ev.get("event") == "preloaded":  # likewise
+                    assert set(ev) == {"event", "stopped"}, ev
+                    self.preloaded.append(ev)
+                    continue
+                return ev
             left = deadline - time.monotonic()
             if left <= 0 or not self.sel.get_map():
                 return None
@@ -182,6 +193,10 @@ class Kernel:
         assert ev == {"event": "done", "id": req_id, "exit_code": ev.get("exit_code")}, ev
         out, err = self.take_output()
         return ev["exit_code"], out, err
+
+    def preload(self, modules):
+        """The runner's `preload` request (not answered)."""
+        os.write(self.req_w, (json.dumps({"type": "preload", "modules": modules}) + "\n").encode())
 
     def interrupt(self):
         os.kill(self.proc.pid, signal.SIGINT)
@@ -1147,6 +1162,146 @@ def test_input_and_printf_still_flush():
             "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.printf(b'from C\\n')\nprint('from Python')"
         )
         assert (code, out) == (0, "from Python\nfrom C\n"), out
+
+
+# -- preload ------------------------------------------------------------------------------------
+
+
+def _has(module):
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+def _wait_for_preload(k, timeout=60):
+    """Waits, sending nothing (a request would stop it), for the `preloaded` event; the
+    event says whether the preload was stopped."""
+    deadline = time.monotonic() + timeout
+    while not k.preloaded and time.monotonic() < deadline:
+        assert k.event(timeout=0.2) is None, "only log and preloaded events while idle"
+    assert k.preloaded, "the preload did not end within %ss" % timeout
+    assert len(k.preloaded) == 1, k.preloaded
+    return k.preloaded[0]["stopped"]
+
+
+# What a session could see of the data stack's state, printed to compare a preloaded kernel
+# with a fresh one that imports the same modules itself.
+_STATE = (
+    "import os, sys, matplotlib, matplotlib.pyplot as plt, matplotlib.units, pandas as pd\n"
+    "print(plt.get_fignums())\n"
+    "print(sorted((k, repr(v)) for k, v in matplotlib.rcParams.items()))\n"
+    "print(sorted(repr(k) for k in matplotlib.units.registry))\n"
+    "print(sorted((k, repr(pd.get_option(k))) for k in pd._config.config._registered_options))\n"
+    "print(plt.figure().number)\n"
+)
+
+
+def test_preload_leaves_no_state_a_session_could_see():
+    if not (_has("pandas") and _has("matplotlib")):
+        skip("needs pandas and matplotlib")
+    cache = _build_mpl_cache()
+    with Kernel(mpl_cache=cache) as k:
+        k.preload(["numpy", "pandas", "matplotlib.pyplot"])
+        assert _wait_for_preload(k) is False
+        code, out, err = k.run("import sys\nprint(sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules))")
+        assert_ok((code, out, err), "['matplotlib.pyplot', 'numpy', 'pandas']\n")
+        code, preloaded, err = k.run(_STATE)
+        assert code == 0, err
+        assert k.logs == [], k.logs
+    with Kernel(mpl_cache=cache) as k:
+        code, fresh, err = k.run(_STATE)
+        assert code == 0, err
+    assert preloaded.splitlines()[0] == "[]", preloaded
+    assert preloaded.splitlines()[-1] == "1", preloaded
+    for name, a, b in zip(("figures", "rcParams", "units", "pandas options", "figure number"),
+                          preloaded.splitlines(), fresh.splitlines()):
+        assert a == b, "%s differ:\n%s\n%s" % (name, a, b)
+
+
+def test_preload_names_that_fail_are_logged_and_skipped():
+    with Kernel() as k:
+        k.preload([" no_such_module_here ", "os; rm -rf /", "json", "", "json", " a..b ", 7])
+        assert _wait_for_preload(k) is False
+        assert_ok(k.run("import sys\nprint('json' in sys.modules, 'no_such_module_here' in sys.modules)"),
+                  "True False\n")
+        assert_ok(k.run("print(6 * 7)"), "42\n")
+        # Once code ran, a preload request is ignored: no thread, no event.
+        k.preload(["wave"])
+        assert_ok(k.run("import sys, threading\nprint('wave' in sys.modules, threading.active_count())"),
+                  "False 1\n")
+        assert k.event(timeout=0.3) is None and len(k.preloaded) == 1, k.preloaded
+    assert len(k.logs) == 4, k.logs
+    assert any("not a module name" in m and "7" in m for m in k.logs), k.logs
+    assert any("not a module name" in m and "os; rm -rf /" in m for m in k.logs), k.logs
+    assert any("not a module name" in m and "a..b" in m for m in k.logs), k.logs
+    assert any("cannot import no_such_module_here: ModuleNotFoundError" in m for m in k.logs), k.logs
+
+
+def test_preload_stops_at_the_first_request():
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    try:
+        with open(os.path.join(lib, "slow_first.py"), "w") as f:
+            f.write("import time\ntime.sleep(0.5)\nDONE = True\n")
+        with open(os.path.join(lib, "marker_second.py"), "w") as f:
+            f.write("")
+        env = {"PYTHONPATH": lib}
+        with Kernel(env=env) as k:
+            k.preload(["slow_first", "marker_second"])
+            # Sent at once: the preload is in slow_first (or about to be). An import of
+            # the module being preloaded waits for it and gets it whole; the preload
+            # then ends without importing marker_second.
+            code, out, err = k.run(
+                "import sys, time\nimport slow_first\nprint(slow_first.DONE)\n"
+                "time.sleep(0.3)\nprint('marker_second' in sys.modules)"
+            )
+            assert_ok((code, out, err), "True\nFalse\n")
+            assert _wait_for_preload(k) is True
+            assert_ok(k.run("import sys\nprint('marker_second' in sys.modules)"), "False\n")
+        # The runner's stop line (an exec in another language came first) stops it too,
+        # and is not answered.
+        with Kernel(env=env) as k:
+            k.preload(["slow_first", "marker_second"])
+            os.write(k.req_w, b'{"type":"stop_preload"}\n')
+            assert _wait_for_preload(k) is True
+            assert_ok(k.run("import sys\nprint('marker_second' in sys.modules)"), "False\n")
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
+def test_a_fork_waits_for_the_import_under_way():
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    mark = os.path.join(lib, "importing")
+    try:
+        with open(os.path.join(lib, "slow_module.py"), "w") as f:
+            f.write("import time\nopen(%r, 'w').close()\ntime.sleep(0.6)\nVALUE = 7\n" % mark)
+        env = {"PYTHONPATH": lib}
+        with Kernel(env=env) as k:
+            k.preload(["slow_module"])
+            # Sent once the preload is inside the import (a request sent earlier would stop
+            # it before it began). The child imports the module itself: had it been forked
+            # mid-import, its import lock would belong to a thread the child does not have.
+            deadline = time.monotonic() + 30
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.path.exists(mark), "the preload did not start the import"
+            code, out, err = k.run(
+                "import os, sys\n"
+                "partial = 'slow_module' in sys.modules\n"
+                "pid = os.fork()\n"
+                "if pid == 0:\n"
+                "    import slow_module\n"
+                "    os._exit(slow_module.VALUE)\n"
+                "_, status = os.waitpid(pid, 0)\n"
+                "print(partial, os.waitstatus_to_exitcode(status))",
+                timeout=20,
+            )
+            # The cell saw the module half-imported (the preload was in it), and the fork
+            # still gave the child a whole one.
+            assert_ok((code, out, err), "True 7\n")
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
 
 
 # -- without pytest -----------------------------------------------------------------------------

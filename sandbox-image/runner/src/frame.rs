@@ -183,7 +183,18 @@ mod tests {
     #[test]
     fn parses_requests_and_blames_the_right_job() {
         match parse(br#"[4,{"type":"hello","start_kernel":true}]"#) {
-            Parsed::Msg(4, CoordinatorMessage::Hello(h)) => assert!(h.start_kernel),
+            Parsed::Msg(4, CoordinatorMessage::Hello(h)) => {
+                assert!(h.start_kernel);
+                assert!(h.preload.is_empty(), "an older broker preloads nothing");
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(
+            br#"[4,{"type":"hello","start_kernel":true,"preload":["numpy","matplotlib.pyplot"]}]"#,
+        ) {
+            Parsed::Msg(4, CoordinatorMessage::Hello(h)) => {
+                assert_eq!(h.preload, ["numpy", "matplotlib.pyplot"]);
+            }
             other => panic!("{other:?}"),
         }
         match parse(br#"[5,{"type":"bogus"}]"#) {

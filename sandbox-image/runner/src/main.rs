@@ -265,11 +265,18 @@ fn handle(line: &[u8], chan: &Channel, control: &Control, workdir: &std::path::P
     match msg {
         CoordinatorMessage::Hello(hello) => {
             if hello.start_kernel {
-                control.push(Task::StartKernel);
+                // Said at once, before the worker starts the kernel, so that no answer
+                // (this one included) says the preload is over before it began; the
+                // worker corrects it if there is nothing to preload after all.
+                if !hello.preload.is_empty() {
+                    control.preloading.store(true, Ordering::Relaxed);
+                }
+                control.push(Task::StartKernel(hello.preload));
             }
             let resp = HelloResponse {
                 runner_version: env!("CARGO_PKG_VERSION").into(),
                 kernel_running: control.kernel_running.load(Ordering::Relaxed),
+                preloading: control.preloading.load(Ordering::Relaxed),
                 running_job: control.current_job(),
             };
             chan.send(job, &WorkerMessage::Hello(resp));

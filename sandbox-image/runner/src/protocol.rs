@@ -144,6 +144,12 @@ pub struct HelloRequest {
     /// Start the Python kernel now, so the first `py` exec finds it running.
     #[serde(default)]
     pub start_kernel: bool,
+    /// Modules the kernel (started now, or already running) imports in the background
+    /// while it waits for its first exec (a pooled sandbox's data stack); empty: none.
+    /// Ignored by a kernel that has run code or was asked before; the first exec stops
+    /// it. A kernel started later (by an exec, or after a crash) imports nothing ahead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preload: Vec<String>,
 }
 
 impl Request for HelloRequest {
@@ -167,6 +173,11 @@ pub struct HelloResponse {
     /// started, which the new one cancels before it sends its own.
     #[serde(default)]
     pub running_job: Option<JobId>,
+    /// Whether the kernel is still importing what a warm-up `hello` asked it to preload
+    /// (it stops at the first exec). A pooled sandbox waits at a low CPU weight until
+    /// then, so the broker asks.
+    #[serde(default)]
+    pub preloading: bool,
 }
 
 /// Run one piece of code.

@@ -142,13 +142,15 @@ impl Worker {
     pub fn run(mut self) {
         loop {
             match self.control.next() {
-                Some(Task::StartKernel) => {
+                Some(Task::StartKernel(preload)) => {
                     self.drop_dead_kernel();
                     if self.kernel.is_none() {
                         if let Err(e) = self.start_kernel() {
                             eprintln!("sandbox-runner: cannot start the kernel: {e}");
                         }
                     }
+                    self.request_preload(&preload);
+                    self.sync_preloading();
                 }
                 Some(Task::Exec(job, req)) => {
                     let msg = self.exec(job, &req);
@@ -231,6 +233,7 @@ impl Worker {
             let (exit, status) = self.exec_py(&mut ctl, &mut sink, req);
             (Some(exit), status)
         } else {
+            self.stop_preload();
             (
                 self.exec_program(&mut ctl, &mut sink, req),
                 RuntimeStatus::New,

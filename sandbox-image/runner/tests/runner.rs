@@ -663,7 +663,10 @@ fn py_keeps_state_and_survives_timeouts() {
     let Some(mut r) = python_runner() else { return };
     r.send(
         1,
-        CoordinatorMessage::Hello(HelloRequest { start_kernel: true }),
+        CoordinatorMessage::Hello(HelloRequest {
+            start_kernel: true,
+            ..HelloRequest::default()
+        }),
     );
     assert!(matches!(r.recv(), (1, WorkerMessage::Hello(_))));
 
@@ -697,6 +700,110 @@ fn py_keeps_state_and_survives_timeouts() {
     let resp = r.exec(9, req(Language::Py, "1/0"));
     assert_eq!(resp.exit_code, Some(1));
     assert!(resp.stderr.contains("ZeroDivisionError"));
+}
+
+/// Asks `hello` until the runner says the kernel's preload is over; whether it ever did
+/// within [`PATIENCE`].
+fn wait_preloaded(r: &mut Runner, mut job: u64) -> bool {
+    let until = Instant::now() + PATIENCE;
+    while Instant::now() < until {
+        r.send(job, CoordinatorMessage::Hello(HelloRequest::default()));
+        match r.recv() {
+            (j, WorkerMessage::Hello(h)) if j == job => {
+                if !h.preloading {
+                    return true;
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+        job += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// A hello that starts the kernel with a preload list: the runner says `preloading` until
+/// the kernel has imported the modules in the background (one that fails is skipped), and
+/// neither the kernel nor other programs see the variable that carried the list.
+#[test]
+fn a_warm_up_hello_preloads_modules_in_the_kernel() {
+    let Some(mut r) = python_runner() else { return };
+    r.send(
+        1,
+        CoordinatorMessage::Hello(HelloRequest {
+            start_kernel: true,
+            preload: vec!["wave".into(), "no_such_module_here".into()],
+        }),
+    );
+    match r.recv() {
+        (1, WorkerMessage::Hello(h)) => assert!(h.preloading, "{h:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(wait_preloaded(&mut r, 100), "the preload never ended");
+    let probe = "import os, sys, threading\n\
+        print('wave' in sys.modules, 'CODEBROKER_PRELOAD' in os.environ, \
+        [t.name for t in threading.enumerate()])";
+    let resp = r.exec(2, req(Language::Py, probe));
+    assert_eq!(resp.stdout, "True False ['MainThread']\n", "{resp:?}");
+    assert_eq!(
+        resp.stderr, "",
+        "a failed preload is not the session's output"
+    );
+    let resp = r.exec(
+        3,
+        req(Language::Bash, "echo \"[${CODEBROKER_PRELOAD-unset}]\""),
+    );
+    assert_eq!(resp.stdout, "[unset]\n");
+    // A plain hello later says the same, and starts nothing.
+    assert!(wait_preloaded(&mut r, 200));
+}
+
+/// The session's first exec stops the preload, in whatever language: here a bash exec
+/// while the kernel is inside a slow first module; the module after it is never imported,
+/// and the runner stops saying `preloading` once the import under way is done.
+#[test]
+fn the_first_exec_stops_the_preload_whatever_its_language() {
+    let lib = std::env::temp_dir().join(format!("runner-preload-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&lib);
+    std::fs::create_dir_all(&lib).unwrap();
+    let mark = lib.join("importing");
+    std::fs::write(
+        lib.join("slow_first.py"),
+        format!(
+            "import time\nopen({:?}, 'w').close()\ntime.sleep(0.5)\n",
+            mark.to_string_lossy()
+        ),
+    )
+    .unwrap();
+    std::fs::write(lib.join("marker_second.py"), "").unwrap();
+    if kernel_script().is_none() {
+        return;
+    }
+    let mut r = Runner::start_with(&[("PYTHONPATH", lib.to_str().unwrap())]);
+    r.send(
+        1,
+        CoordinatorMessage::Hello(HelloRequest {
+            start_kernel: true,
+            preload: vec!["slow_first".into(), "marker_second".into()],
+        }),
+    );
+    assert!(matches!(r.recv(), (1, WorkerMessage::Hello(_))));
+    let until = Instant::now() + PATIENCE;
+    while !mark.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(mark.exists(), "the preload never began");
+    assert_eq!(r.exec(2, req(Language::Bash, "echo b")).stdout, "b\n");
+    assert!(wait_preloaded(&mut r, 100), "the preload never ended");
+    let resp = r.exec(
+        3,
+        req(
+            Language::Py,
+            "import sys\nprint('slow_first' in sys.modules, 'marker_second' in sys.modules)",
+        ),
+    );
+    assert_eq!(resp.stdout, "True False\n", "{resp:?}");
+    let _ = std::fs::remove_dir_all(&lib);
 }
 
 #[test]

@@ -6,12 +6,13 @@ use crate::sys::Waker;
 use sandbox_runner::{ExecRequest, JobId, ToolResult};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Work for the worker thread.
 pub enum Task {
-    /// Start the Python kernel if it is not running (a `hello` asked to warm up).
-    StartKernel,
+    /// Start the Python kernel if it is not running (a `hello` asked to warm up), and ask
+    /// it to import these modules in the background while it waits (if it has run no code).
+    StartKernel(Vec<String>),
     /// Run an exec and answer it.
     Exec(JobId, ExecRequest),
 }
@@ -28,6 +29,10 @@ pub struct Control {
     watch_started: Condvar,
     /// Whether a kernel process is alive, for `hello` answers.
     pub kernel_running: AtomicBool,
+    /// Whether the kernel is still importing the modules a warm-up `hello` asked it to
+    /// preload, for `hello` answers: the broker gives a pooled sandbox its CPU weight back
+    /// when this ends. Shared with the kernel, whose `preloaded` event clears it.
+    pub preloading: Arc<AtomicBool>,
 }
 
 /// See [`Control`].
@@ -79,6 +84,7 @@ impl Control {
             finished: Condvar::new(),
             watch_started: Condvar::new(),
             kernel_running: AtomicBool::new(false),
+            preloading: Arc::new(AtomicBool::new(false)),
         }
     }
 

@@ -13,7 +13,8 @@ use sandbox_runner::{
 };
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long the kernel gets to answer `done` after SIGINT before it is killed.
@@ -22,6 +23,13 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(1);
 const BROKEN_GRACE: Duration = Duration::from_millis(100);
 /// Longest line the kernel may write on its event pipe.
 const MAX_EVENT_LINE: usize = 1 << 20;
+/// Writes to a pipe up to this size are atomic (POSIX guarantees 512; Linux gives 4096).
+const PIPE_BUF: usize = 4096;
+/// Longest kernel log message passed on to the runner's stderr.
+const MAX_LOG_MESSAGE: usize = 1000;
+/// Tells a preloading kernel that the session's first exec (in another language) began:
+/// from then on its own code decides what is imported (see `kernel.py`, "Preload").
+const STOP_PRELOAD: &[u8] = b"{\"type\":\"stop_preload\"}\n";
 
 /// The persistent Python kernel (see the README's kernel protocol).
 pub(super) struct Kernel {
@@ -50,6 +58,12 @@ pub(super) struct Kernel {
     last_id: u64,
     /// Display events of the running request not yet sent.
     displays: Vec<DisplayData>,
+    /// Whether it was asked to preload (once at most, before any code).
+    preload_requested: bool,
+    /// Whether that preload has not ended yet.
+    preload_pending: bool,
+    /// What `hello` answers read of `preload_pending` (shared with [`Control`]).
+    preloading: Arc<AtomicBool>,
 }
 
 impl Kernel {
@@ -80,6 +94,18 @@ impl Kernel {
             if let Ok(ev) = serde_json::from_slice::<KernelEvent>(&line) {
                 if ev.event == "ready" {
                     self.ready = true;
+                } else if ev.event == "preloaded" {
+                    self.preload_pending = false;
+                    self.preloading.store(false, Ordering::Relaxed);
+                } else if ev.event == "log" {
+                    // The kernel's own notes (a preload that failed): for the broker's log,
+                    // never for an exec's output.
+                    let message = ev.message.as_deref().unwrap_or("");
+                    let cut = message
+                        .char_indices()
+                        .nth(MAX_LOG_MESSAGE)
+                        .map_or(message.len(), |(i, _)| i);
+                    eprintln!("sandbox-runner: kernel: {}", &message[..cut]);
                 } else if ev.event == "done" && want.is_some() && ev.id == want {
                     done = Some(ev.exit_code.unwrap_or(1));
                 } else if ev.event == "display" && want.is_some() && ev.id == want {
@@ -124,7 +150,7 @@ impl Kernel {
 /// One line of the kernel's event pipe.
 #[derive(serde::Deserialize)]
 struct KernelEvent {
-    /// `ready`, `display` or `done`.
+    /// `ready`, `display`, `done`, `log` or `preloaded`.
     event: String,
     /// The request a `done` answers or a `display` belongs to.
     #[serde(default)]
@@ -141,6 +167,9 @@ struct KernelEvent {
     /// A `display`'s value, when small text.
     #[serde(default)]
     data: Option<String>,
+    /// A `log`'s text.
+    #[serde(default)]
+    message: Option<String>,
 }
 
 impl Worker {
@@ -168,6 +197,56 @@ impl Worker {
         self.tracker.signal(k.pid, k.pid, libc::SIGKILL);
         self.tracker.forget(k.pid);
         self.control.kernel_running.store(false, Ordering::Relaxed);
+        k.preloading.store(false, Ordering::Relaxed);
+    }
+
+    /// Makes `hello` answers say whether the kernel still preloads.
+    pub(super) fn sync_preloading(&self) {
+        let pending = self.kernel.as_ref().is_some_and(|k| k.preload_pending);
+        self.control.preloading.store(pending, Ordering::Relaxed);
+    }
+
+    /// Tells a kernel still preloading that an exec in another language began, so it
+    /// imports nothing more; a Python exec's request tells it by itself.
+    pub(super) fn stop_preload(&mut self) {
+        let Some(k) = self.kernel.as_mut() else {
+            return;
+        };
+        if !k.preload_pending {
+            return;
+        }
+        if let Some(fd) = &k.requests {
+            // Far below PIPE_BUF, into a pipe the idle kernel keeps empty: written whole
+            // or, should the pipe be full, not at all (the preload then runs to its end).
+            let _ = sys::write(fd, STOP_PRELOAD);
+        }
+    }
+
+    /// Asks a kernel that has run no code yet to import `modules` in the background (see
+    /// `kernel.py`, "Preload"); once per kernel.
+    pub(super) fn request_preload(&mut self, modules: &[String]) {
+        let Some(k) = self.kernel.as_mut() else {
+            return;
+        };
+        if k.ran_code || k.preload_requested || modules.is_empty() {
+            return;
+        }
+        let mut line = serde_json::json!({"type": "preload", "modules": modules})
+            .to_string()
+            .into_bytes();
+        line.push(b'\n');
+        // Within PIPE_BUF (the broker's bounds on the list keep it there), into the idle
+        // kernel's empty request pipe: written whole, or not at all.
+        if line.len() > PIPE_BUF {
+            eprintln!("sandbox-runner: the preload list is too long; nothing is preloaded");
+            return;
+        }
+        if let Some(fd) = &k.requests {
+            if matches!(sys::write(fd, &line), Ok(n) if n == line.len()) {
+                k.preload_requested = true;
+                k.preload_pending = true;
+            }
+        }
     }
 
     /// Starts `python3 kernel.py` with its four pipes.
@@ -210,6 +289,9 @@ impl Worker {
             broken_at: None,
             last_id: 0,
             displays: Vec::new(),
+            preload_requested: false,
+            preload_pending: false,
+            preloading: self.control.preloading.clone(),
         });
         self.control.kernel_running.store(true, Ordering::Relaxed);
         Ok(())
@@ -245,6 +327,7 @@ impl Worker {
     ) -> (Exit, RuntimeStatus) {
         self.drop_dead_kernel();
         if self.kernel.is_none() {
+            // Started for this exec: nothing is imported ahead of its code.
             if let Err(e) = self.start_kernel() {
                 ctl.notes
                     .push(format!("Error: cannot start the Python kernel: {e}"));
