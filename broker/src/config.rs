@@ -286,8 +286,9 @@ pub struct PoolConfig {
 
     /// Started containers kept ready at most: after a burst of new sessions the pool grows
     /// to the burst's size, up to this, and shrinks back to CODEBROKER_POOL_SIZE five
-    /// minutes after the last one (each ready container holds about 6 MiB). Set it to
-    /// CODEBROKER_POOL_SIZE for a fixed pool.
+    /// minutes after the last one (each ready container holds about 6 MiB, about 66 MiB with
+    /// the default CODEBROKER_PRELOAD, and while pooled kernels preload and the pool is taken
+    /// from it keeps two more on the way). Set it to CODEBROKER_POOL_SIZE for a fixed pool.
     #[arg(long, env = "CODEBROKER_POOL_MAX", default_value_t = 16)]
     pub pool_max: usize,
 
@@ -295,6 +296,76 @@ pub struct PoolConfig {
     /// not stall the engine for the sessions already running.
     #[arg(long, env = "CODEBROKER_POOL_REFILL_CONCURRENCY", default_value_t = 2)]
     pub pool_refill_concurrency: usize,
+
+    /// Python modules a pooled container's kernel imports in the background while it waits
+    /// for its session, comma-separated (empty: none). Most first calls of a chat import
+    /// pandas and plot; preloaded, that import is already done when the session takes the
+    /// container. Costs memory per ready container (see docs/PERFORMANCE.md) and CPU per
+    /// refill, taken at the lowest CPU weight, two pooled kernels at a time; the session's
+    /// first exec stops a preload still under way, and a container started for a waiting
+    /// request (not pooled) preloads nothing. A module that fails to import is logged and
+    /// skipped.
+    #[arg(
+        long,
+        env = "CODEBROKER_PRELOAD",
+        default_value = "numpy,pandas,matplotlib.pyplot"
+    )]
+    pub preload: PreloadModules,
+}
+
+/// CODEBROKER_PRELOAD: dotted Python module names, checked at start so that anything but
+/// names (`os; rm -rf /`) is refused before a kernel sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PreloadModules(Vec<String>);
+
+/// Most modules CODEBROKER_PRELOAD may name: a data stack, not an installation. With
+/// [`MAX_PRELOAD_NAME`] it keeps the runner's preload request to its kernel within one
+/// atomic pipe write (4096 bytes).
+pub(crate) const MAX_PRELOAD_MODULES: usize = 32;
+
+/// Longest module name CODEBROKER_PRELOAD may hold.
+pub(crate) const MAX_PRELOAD_NAME: usize = 100;
+
+impl PreloadModules {
+    /// The module names, in order, without duplicates.
+    pub fn names(&self) -> &[String] {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for PreloadModules {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut names: Vec<String> = Vec::new();
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let is_identifier = |part: &str| {
+                let mut chars = part.chars();
+                chars
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                    && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+            };
+            if entry.len() > MAX_PRELOAD_NAME || !entry.split('.').all(is_identifier) {
+                let shown: String = entry.chars().take(60).collect();
+                return Err(format!(
+                    "`{shown}` is not a Python module name: give dotted names separated by \
+                     commas, e.g. `numpy,pandas,matplotlib.pyplot` (at most \
+                     {MAX_PRELOAD_NAME} characters each), or nothing for no preload"
+                ));
+            }
+            if !names.iter().any(|n| n == entry) {
+                names.push(entry.to_string());
+            }
+        }
+        if names.len() > MAX_PRELOAD_MODULES {
+            return Err(format!(
+                "{} modules: at most {MAX_PRELOAD_MODULES} may be preloaded",
+                names.len()
+            ));
+        }
+        Ok(PreloadModules(names))
+    }
 }
 
 /// What one user, or every caller together, may take of the host: rates, sessions,
@@ -752,6 +823,48 @@ mod tests {
             ContainerCap::Auto
         );
         assert!(Config::try_parse_from(["codebroker", "--max-containers", "lots"]).is_err());
+    }
+
+    #[test]
+    fn preload_takes_module_names_and_refuses_anything_else() {
+        let parse = |v: &str| {
+            Config::try_parse_from(["codebroker", "--preload", v]).map(|c| c.pool.preload)
+        };
+        let defaults = Config::try_parse_from(["codebroker"]).expect("defaults parse");
+        assert_eq!(
+            defaults.pool.preload.names(),
+            ["numpy", "pandas", "matplotlib.pyplot"]
+        );
+        assert!(parse("").expect("empty").names().is_empty());
+        assert!(parse(" , ,").expect("blanks").names().is_empty());
+        assert_eq!(
+            parse(" numpy , scipy.stats,numpy,_private")
+                .expect("names")
+                .names(),
+            ["numpy", "scipy.stats", "_private"]
+        );
+        for garbage in [
+            "os; rm -rf /",
+            "numpy pandas",
+            "numpy,pan das",
+            "os.system('x')",
+            "a..b",
+            ".relative",
+            "trailing.",
+            "1digit",
+            "numpy\nimport os",
+            "pändas",
+            "$(id)",
+        ] {
+            let err = parse(garbage).expect_err(garbage).to_string();
+            assert!(err.contains("not a Python module name"), "{garbage}: {err}");
+        }
+        let long = "a".repeat(MAX_PRELOAD_NAME + 1);
+        assert!(parse(&long).is_err());
+        assert!(parse(&"a".repeat(MAX_PRELOAD_NAME)).is_ok());
+        let many: Vec<String> = (0..=MAX_PRELOAD_MODULES).map(|i| format!("m{i}")).collect();
+        assert!(parse(&many.join(",")).is_err());
+        assert!(parse(&many[..MAX_PRELOAD_MODULES].join(",")).is_ok());
     }
 
     #[test]

@@ -114,3 +114,72 @@ impl Drop for RemoveContainers {
         remove_containers_of(&self.0);
     }
 }
+
+/// The full id of a container named by a short id.
+pub fn full_id(id: &str) -> String {
+    inspect(id)["Id"].as_str().unwrap_or(id).to_string()
+}
+
+/// CPU time a container has used so far, from its cgroup (v1, then v2 with the systemd
+/// driver); `None` when neither can be read.
+pub fn container_cpu(id: &str) -> Option<std::time::Duration> {
+    let id = full_id(id);
+    if let Ok(ns) =
+        std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/docker/{id}/cpuacct.usage"))
+    {
+        return ns.trim().parse().ok().map(std::time::Duration::from_nanos);
+    }
+    let stat = std::fs::read_to_string(format!(
+        "/sys/fs/cgroup/system.slice/docker-{id}.scope/cpu.stat"
+    ))
+    .ok()?;
+    stat.lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))
+        .and_then(|v| v.trim().parse().ok())
+        .map(std::time::Duration::from_micros)
+}
+
+/// Memory charged to a container now, from its cgroup (v1, then v2), in bytes: all of
+/// it (page cache included, charged to the first container that read a file), and its
+/// anonymous memory alone (what the container's processes hold of their own).
+pub fn container_memory(id: &str) -> Option<(u64, u64)> {
+    let id = full_id(id);
+    let read = |paths: [String; 2]| paths.iter().find_map(|p| std::fs::read_to_string(p).ok());
+    let total = read([
+        format!("/sys/fs/cgroup/memory/docker/{id}/memory.usage_in_bytes"),
+        format!("/sys/fs/cgroup/system.slice/docker-{id}.scope/memory.current"),
+    ])?
+    .trim()
+    .parse()
+    .ok()?;
+    let stat = read([
+        format!("/sys/fs/cgroup/memory/docker/{id}/memory.stat"),
+        format!("/sys/fs/cgroup/system.slice/docker-{id}.scope/memory.stat"),
+    ])?;
+    let anon = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("rss ").or_else(|| l.strip_prefix("anon ")))
+        .and_then(|v| v.trim().parse().ok())?;
+    Some((total, anon))
+}
+
+/// Waits until a container's CPU use stops growing (less than 5 ms over half a second),
+/// at most `within`; the CPU it had used by then, or `None` when its cgroup cannot be read
+/// (after waiting `within`).
+pub async fn wait_until_idle(id: &str, within: std::time::Duration) -> Option<std::time::Duration> {
+    let step = std::time::Duration::from_millis(500);
+    let deadline = std::time::Instant::now() + within;
+    let Some(mut last) = container_cpu(id) else {
+        tokio::time::sleep(within).await;
+        return None;
+    };
+    while std::time::Instant::now() < deadline {
+        tokio::time::sleep(step).await;
+        let now = container_cpu(id)?;
+        if now.saturating_sub(last) < std::time::Duration::from_millis(5) {
+            return Some(now);
+        }
+        last = now;
+    }
+    Some(last)
+}

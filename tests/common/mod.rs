@@ -179,6 +179,23 @@ impl TestBroker {
         }
     }
 
+    /// Waits until `n` pooled sandboxes are ready and none of them still preloads.
+    pub async fn wait_for_preloaded_pool(&self, n: u64) -> Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let health: Value = self.get("/health").await.json().await.expect("health");
+            let pool = &health["pool"];
+            if pool["ready"].as_u64().unwrap_or(0) >= n && pool["preloading"] == 0 {
+                return health;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pool never preloaded: {health}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Ids of this instance's containers.
     pub fn containers(&self) -> Vec<String> {
         containers_of(&self.instance)

@@ -5,8 +5,9 @@ use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::Broker;
 use crate::ids::is_valid_id;
-use crate::sandbox::{docker::short, Sandbox};
+use crate::sandbox::{docker::short, CpuWeight, Sandbox, Warmup};
 use crate::session::evict::{self, Reason};
+use crate::session::pool::Pooled;
 use crate::session::registry::META_FILE;
 use crate::session::Session;
 use crate::workspace::Workspace;
@@ -49,7 +50,7 @@ impl Broker {
         let cold = self.pool.cold_start();
         let created = self
             .backend
-            .create(session.id(), &session.workspace, false)
+            .create(session.id(), &session.workspace, Warmup::Nothing)
             .await;
         drop(cold);
         let sandbox = created.map_err(|e| {
@@ -100,8 +101,23 @@ impl Broker {
                 "container": short(&record.container_id),
             }),
         );
+        self.take_pooled(&pooled);
         session.set_sandbox(Some(pooled.sandbox.clone()));
         Some(pooled.sandbox)
+    }
+
+    /// Marks a pooled sandbox taken. One taken while it preloaded at the lowest CPU weight
+    /// gets the usual weight back, in the background (the exec need not wait for the
+    /// engine; until the update lands it competes at the low weight only with busy
+    /// containers), and its kernel stops preloading at the first exec. The others are at
+    /// the usual weight already, or get it back from the pool (`session::pool`).
+    pub(crate) fn take_pooled(&self, pooled: &Pooled) {
+        if !pooled.preload.take() {
+            return;
+        }
+        let backend = self.backend.clone();
+        let id = pooled.sandbox.container_id.clone();
+        tokio::spawn(async move { backend.set_cpu_weight(&id, CpuWeight::Usual).await });
     }
 
     /// Drops a broken sandbox and removes its container.

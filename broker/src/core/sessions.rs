@@ -184,6 +184,7 @@ impl Broker {
         });
         self.audit.record("session_create", created);
         if let Some(p) = pooled {
+            self.take_pooled(&p);
             session.set_sandbox(Some(p.sandbox));
         }
         Ok(session)

@@ -64,6 +64,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         });
         body["pool"] = json!({
             "ready": broker.pool.ready(),
+            "preloading": broker.pool.preloading(),
             "starting": broker.pool.creating(),
             "target": broker.pool.target(),
         });

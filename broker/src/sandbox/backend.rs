@@ -9,7 +9,7 @@
 //! (`crate::workspace`), or, with `CODEBROKER_FILE_TRANSFER=runner`, through the runner
 //! (`super::runner_files`), the path a remote backend takes.
 
-use super::{runner_files, DockerBackend, OwnContainer, Sandbox};
+use super::{runner_files, CpuWeight, DockerBackend, OwnContainer, Sandbox, Warmup};
 use crate::config::FileTransfer;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use std::io;
@@ -41,16 +41,20 @@ pub(crate) struct SandboxFiles {
 #[async_trait::async_trait]
 pub(crate) trait SandboxBackend: Send + Sync {
     /// Creates and starts a sandbox for `session_id` on `workspace`, attached before it
-    /// starts, and waits for its runner to answer (starting its Python kernel if asked).
+    /// starts, and waits for its runner to answer (after asking it for `warmup`).
     async fn create(
         &self,
         session_id: &str,
         workspace: &Workspace,
-        start_kernel: bool,
+        warmup: Warmup,
     ) -> anyhow::Result<Sandbox>;
 
     /// Re-attaches to a running sandbox of ours (after a broker restart).
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox>;
+
+    /// Sets how much CPU a sandbox gets against the others when the host is busy (a
+    /// pooled sandbox preloads at the lowest); whether it was set (failures are logged).
+    async fn set_cpu_weight(&self, sandbox_id: &str, weight: CpuWeight) -> bool;
 
     /// Removes a sandbox, whatever state it is in; failures are logged.
     async fn remove(&self, sandbox_id: &str);
@@ -130,13 +134,17 @@ impl SandboxBackend for DockerBackend {
         &self,
         session_id: &str,
         workspace: &Workspace,
-        start_kernel: bool,
+        warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        DockerBackend::create(self, session_id, &workspace.files_dir(), start_kernel).await
+        DockerBackend::create(self, session_id, &workspace.files_dir(), warmup).await
     }
 
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
         DockerBackend::adopt(self, sandbox_id).await
+    }
+
+    async fn set_cpu_weight(&self, sandbox_id: &str, weight: CpuWeight) -> bool {
+        DockerBackend::set_cpu_weight(self, sandbox_id, weight).await
     }
 
     async fn remove(&self, sandbox_id: &str) {

@@ -429,6 +429,7 @@ mod tests {
             runner_version: "t".into(),
             kernel_running: false,
             running_job: None,
+            preloading: false,
         });
         format!(
             "{}\n",

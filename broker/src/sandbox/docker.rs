@@ -3,7 +3,7 @@
 
 use super::backend::EngineObserver;
 use super::channel::AttachOutput;
-use super::{labels, RunnerChannel, Sandbox};
+use super::{labels, CpuWeight, RunnerChannel, Sandbox, Warmup};
 use crate::config::{SandboxProfile, SeccompChoice};
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
@@ -21,6 +21,13 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The CPU weight (cgroup `cpu.shares`) of a pooled container while it preloads: the
+/// lowest there is, so that it only takes CPU no other container wants.
+const LOW_CPU_SHARES: i64 = 2;
+
+/// The CPU weight of every other container (the engine's default).
+const USUAL_CPU_SHARES: i64 = 1024;
 
 /// Where the workspace appears inside every sandbox.
 pub(crate) const WORKDIR: &str = "/mnt/data";
@@ -241,7 +248,7 @@ impl DockerBackend {
         &self,
         session_id: &str,
         workspace: &Path,
-        start_kernel: bool,
+        warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
         let body = self.container_body(session_id, workspace);
         let t0 = std::time::Instant::now();
@@ -269,7 +276,7 @@ impl DockerBackend {
                 .context("docker start failed")?;
             let t_start = t0.elapsed();
             let sandbox = Sandbox::new(id.clone(), channel);
-            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(start_kernel))
+            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
                 .await
                 .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
                 .context("the runner did not answer")?;
@@ -280,7 +287,7 @@ impl DockerBackend {
                 attach = ?(t_attach - t_create),
                 start = ?(t_start - t_attach),
                 hello = ?(t0.elapsed() - t_start),
-                start_kernel,
+                ?warmup,
                 "sandbox started"
             );
             anyhow::Ok(sandbox)
@@ -334,6 +341,27 @@ impl DockerBackend {
 
     /// Removes a container, whatever state it is in. Failures are logged: the reconciler
     /// at the next start removes what is left.
+    /// Sets a container's CPU weight ([`LOW_CPU_SHARES`] or [`USUAL_CPU_SHARES`]);
+    /// whether the engine did.
+    pub(crate) async fn set_cpu_weight(&self, id: &str, weight: CpuWeight) -> bool {
+        let shares = match weight {
+            CpuWeight::Low => LOW_CPU_SHARES,
+            CpuWeight::Usual => USUAL_CPU_SHARES,
+        };
+        let body = bollard::models::ContainerUpdateBody {
+            cpu_shares: Some(shares),
+            ..Default::default()
+        };
+        match self.docker.update_container(id, body).await {
+            Ok(_) => true,
+            Err(err) => {
+                self.failed("update");
+                tracing::warn!(container = %short(id), ?weight, error = %err, "cannot set the CPU weight of a sandbox");
+                false
+            }
+        }
+    }
+
     pub(crate) async fn remove(&self, id: &str) {
         let options = RemoveContainerOptionsBuilder::new()
             .force(true)
@@ -621,6 +649,7 @@ mod tests {
             Some(vec![format!("/data/s/files:{WORKDIR}:rw")])
         );
         assert_eq!(body.user.as_deref(), Some("10001:10001"));
+        assert_eq!(host.cpu_shares, None, "the engine's default weight");
 
         config.sandbox.runtime = " runsc ".into();
         let body = backend(config).container_body("s", Path::new("/data/s/files"));

@@ -21,6 +21,25 @@ pub(crate) mod labels {
     pub(crate) const CREATED: &str = "codebroker.created";
 }
 
+/// What a new sandbox's runner does before its first exec.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Warmup {
+    /// Nothing: the first exec starts the kernel. For a sandbox a request waits on, whose
+    /// code must not share the CPU with anything started ahead of it.
+    Nothing,
+    /// Start the Python kernel now (a pooled sandbox).
+    Kernel,
+}
+
+/// How much CPU a sandbox gets when the host is busy, against the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CpuWeight {
+    /// The lowest: only CPU no other sandbox wants (a pooled sandbox while it preloads).
+    Low,
+    /// As much as any other sandbox.
+    Usual,
+}
+
 /// A started container with its runner attached.
 pub(crate) struct Sandbox {
     /// Docker's id of the container, for removal and logs.
@@ -88,9 +107,26 @@ impl Sandbox {
     /// Checks the runner answers; optionally starts its Python kernel.
     pub(crate) async fn hello(
         &self,
-        start_kernel: bool,
+        warmup: Warmup,
     ) -> Result<sandbox_runner::HelloResponse, ChannelError> {
-        let req = sandbox_runner::HelloRequest { start_kernel };
+        let req = sandbox_runner::HelloRequest {
+            start_kernel: matches!(warmup, Warmup::Kernel),
+            preload: Vec::new(),
+        };
+        self.channel.request(req).await
+    }
+
+    /// Asks the kernel of a sandbox no session has used yet to import `modules` in the
+    /// background (checked names, `config::PreloadModules`); the runner's answers say
+    /// `preloading` until it is done. A kernel that has run code ignores it.
+    pub(crate) async fn preload(
+        &self,
+        modules: &[String],
+    ) -> Result<sandbox_runner::HelloResponse, ChannelError> {
+        let req = sandbox_runner::HelloRequest {
+            start_kernel: true,
+            preload: modules.to_vec(),
+        };
         self.channel.request(req).await
     }
 
@@ -98,7 +134,7 @@ impl Sandbox {
     /// it) and waits until the runner is idle, so the next exec is not refused as busy.
     pub(crate) async fn stop_orphaned_job(&self) -> Result<(), ChannelError> {
         loop {
-            let hello = self.hello(false).await?;
+            let hello = self.hello(Warmup::Nothing).await?;
             let Some(job) = hello.running_job else {
                 return Ok(());
             };

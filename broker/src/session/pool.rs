@@ -9,13 +9,13 @@
 //! second and a half. It sizes itself to the most takes seen within [`BURST_SPAN`] during
 //! the last [`DEMAND_WINDOW`], and shrinks back when the bursts stop.
 
-use crate::config::PoolConfig;
+use crate::config::{PoolConfig, PreloadModules};
 use crate::ids::new_id;
-use crate::sandbox::{Sandbox, SandboxBackend};
+use crate::sandbox::{CpuWeight, Sandbox, SandboxBackend, Warmup};
 use crate::workspace::Workspace;
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -81,6 +81,19 @@ impl Demand {
     }
 }
 
+/// How often the pool asks its preloading sandboxes whether they are done, and starts
+/// the preload of waiting ones.
+const PRELOAD_POLL: Duration = Duration::from_millis(100);
+
+/// Pooled kernels preloading at once. Each is one busy thread at the lowest CPU weight,
+/// so two fill a 2-core host's idle time; more would only leave more imports half done
+/// when a burst takes them (a taken kernel finishes the import under way, at the usual
+/// weight), while a kernel that has not begun costs nothing to stop.
+const PRELOADS_AT_ONCE: usize = 2;
+
+/// How long one such question may take before it is asked again later.
+const PRELOAD_ASK_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// A started sandbox waiting for its session.
 pub(crate) struct Pooled {
     /// The id the session will have; the workspace directory is already named after it.
@@ -89,6 +102,64 @@ pub(crate) struct Pooled {
     pub(crate) workspace: Workspace,
     /// The sandbox, its Python kernel already started.
     pub(crate) sandbox: Arc<Sandbox>,
+    /// Where its preload stands. Shared: the pool's watcher holds it while a session may
+    /// take the sandbox.
+    pub(crate) preload: Arc<PreloadState>,
+}
+
+/// Where the preload of one pooled sandbox stands. A pooled sandbox starts at the usual CPU
+/// weight with its kernel idle; the pool lowers the weight to the lowest before it asks
+/// the kernel to preload, so the imports take only CPU that sessions leave idle, and
+/// gives the usual weight back when the preload is done. A session that takes it
+/// meanwhile gives the weight back itself (or, while the weight is being lowered, the
+/// pool does once that is done).
+pub(crate) struct PreloadState(AtomicU8);
+
+impl PreloadState {
+    /// Kernel idle, not asked to preload yet, at the usual weight.
+    const WAITING: u8 = 0;
+    /// The pool is lowering its weight, to ask it to preload then.
+    const LOWERING: u8 = 1;
+    /// Its kernel was asked to preload and has not finished; at the low weight.
+    const PRELOADING: u8 = 2;
+    /// Preloaded (or nothing to preload), at the usual weight.
+    const DONE: u8 = 3;
+    /// A session took it.
+    const TAKEN: u8 = 4;
+
+    fn new(preloads: bool) -> Self {
+        PreloadState(AtomicU8::new(if preloads {
+            Self::WAITING
+        } else {
+            Self::DONE
+        }))
+    }
+
+    fn get(&self) -> u8 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn moved(&self, from: u8, to: u8) -> bool {
+        self.0
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Marks it taken; whether it waits at the low weight, which the taker must then give
+    /// back (a sandbox taken while its weight is being lowered gets it back from the pool).
+    pub(crate) fn take(&self) -> bool {
+        self.0.swap(Self::TAKEN, Ordering::SeqCst) == Self::PRELOADING
+    }
+
+    /// Which to hand out first: preloaded, then preloading (its imports are under way
+    /// anyway, and stop at its first exec), then the others.
+    fn rank(&self) -> u8 {
+        match self.get() {
+            Self::DONE => 0,
+            Self::PRELOADING => 1,
+            _ => 2,
+        }
+    }
 }
 
 /// The warm pool.
@@ -118,6 +189,9 @@ pub(crate) struct Pool {
     /// Set when draining: a creation that finishes later removes its sandbox instead of
     /// adding it, so nothing outlives the broker.
     closed: AtomicBool,
+    /// The modules a pooled kernel imports while it waits, so a session's first
+    /// `import pandas` is already done.
+    preload: PreloadModules,
 }
 
 impl Pool {
@@ -140,6 +214,7 @@ impl Pool {
             discarded: Mutex::new(Vec::new()),
             last_take: Mutex::new(None),
             closed: AtomicBool::new(false),
+            preload: config.preload.clone(),
         }
     }
 
@@ -174,15 +249,31 @@ impl Pool {
         self.lock().len()
     }
 
+    /// How many of the ready sandboxes are not preloaded yet (waiting or preloading).
+    pub(crate) fn preloading(&self) -> usize {
+        self.lock()
+            .iter()
+            .filter(|p| p.preload.get() != PreloadState::DONE)
+            .count()
+    }
+
     /// How many the pool aims to keep now: its size, or the largest recent burst up to
-    /// its maximum.
+    /// its maximum. While it preloads and has been taken from lately, [`PRELOADS_AT_ONCE`]
+    /// more: a refill takes over a second to be preloaded, and at a chat's pace (two new
+    /// sessions a second, so a peak of two) a pool of two would hand out kernels still
+    /// importing.
     pub(crate) fn target(&self) -> usize {
         let peak = self
             .demand
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .peak(Instant::now());
-        peak.clamp(self.size, self.max)
+        let on_the_way = if peak > 0 && !self.preload.names().is_empty() {
+            PRELOADS_AT_ONCE
+        } else {
+            0
+        };
+        (peak + on_the_way).clamp(self.size, self.max)
     }
 
     /// Takes a live pooled sandbox, if one is ready. Either way the take counts as demand.
@@ -201,18 +292,23 @@ impl Pool {
             return None;
         }
         let now = Instant::now();
-        let taken = loop {
-            let Some(pooled) = self.lock().pop_front() else {
-                break None;
-            };
-            if pooled.sandbox.is_alive() {
-                break Some(pooled);
+        let taken = {
+            let mut ready = self.lock();
+            // Dead ones go to the refiller, which removes their containers.
+            let (alive, dead): (Vec<Pooled>, Vec<Pooled>) =
+                ready.drain(..).partition(|p| p.sandbox.is_alive());
+            *ready = alive.into();
+            if !dead.is_empty() {
+                self.discarded
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(dead);
             }
-            // A dead one goes to the refiller, which removes its container.
-            self.discarded
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(pooled);
+            // The oldest of the best rank (min_by_key keeps the first of equals).
+            let pick = (0..ready.len())
+                .min_by_key(|&i| ready[i].preload.rank())
+                .unwrap_or(0);
+            ready.remove(pick)
         };
         if taken.is_none() && !count_miss {
             return None;
@@ -237,6 +333,12 @@ impl Pool {
     ) {
         if self.size == 0 {
             return;
+        }
+        if !self.preload.names().is_empty() {
+            tokio::spawn(
+                self.clone()
+                    .watch_preloads(docker.clone(), shutdown.child_token()),
+            );
         }
         loop {
             let last_take = *self.last_take.lock().unwrap_or_else(|p| p.into_inner());
@@ -271,7 +373,9 @@ impl Pool {
                 let docker = docker.clone();
                 let data_dir = data_dir.clone();
                 tokio::spawn(async move {
-                    match create_pooled(&*docker, &data_dir, sandbox_uid).await {
+                    match create_pooled(&*docker, &data_dir, sandbox_uid, pool.preload.names())
+                        .await
+                    {
                         Ok(pooled) => {
                             let late = {
                                 let mut ready = pool.lock();
@@ -321,6 +425,81 @@ impl Pool {
             let _ = tokio::time::timeout(Duration::from_millis(100), self.wake.notified()).await;
         }
         self.drain(&*docker).await;
+    }
+
+    /// Every [`PRELOAD_POLL`]: asks the ready sandboxes that preload whether they are
+    /// done, and gives each that is its CPU weight back; then has the oldest waiting ones
+    /// begin, [`PRELOADS_AT_ONCE`] at most. Waiting ones keep the usual weight, so a burst
+    /// that takes them needs no engine call for it.
+    async fn watch_preloads(
+        self: Arc<Self>,
+        docker: Arc<dyn SandboxBackend>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(PRELOAD_POLL) => {}
+                _ = shutdown.cancelled() => return,
+            }
+            let pending: Vec<(Arc<Sandbox>, Arc<PreloadState>)> = self
+                .lock()
+                .iter()
+                .filter(|p| p.preload.get() < PreloadState::DONE && p.sandbox.is_alive())
+                .map(|p| (p.sandbox.clone(), p.preload.clone()))
+                .collect();
+            let mut preloading = 0;
+            for (sandbox, state) in &pending {
+                if state.get() != PreloadState::PRELOADING {
+                    continue;
+                }
+                let asked =
+                    tokio::time::timeout(PRELOAD_ASK_TIMEOUT, sandbox.hello(Warmup::Nothing)).await;
+                match asked {
+                    Ok(Ok(hello)) if !hello.preloading => {
+                        if state.moved(PreloadState::PRELOADING, PreloadState::DONE) {
+                            let id = &sandbox.container_id;
+                            docker.set_cpu_weight(id, CpuWeight::Usual).await;
+                        }
+                    }
+                    // Still at it, or slow to answer (a dead one is found by the refiller).
+                    _ => preloading += 1,
+                }
+            }
+            for (sandbox, state) in &pending {
+                if preloading >= PRELOADS_AT_ONCE {
+                    break;
+                }
+                if !state.moved(PreloadState::WAITING, PreloadState::LOWERING) {
+                    continue; // taken meanwhile, or already preloading
+                }
+                preloading += 1;
+                self.begin_preload(&*docker, sandbox, state).await;
+            }
+        }
+    }
+
+    /// Lowers a waiting sandbox's CPU weight, then asks its kernel to preload; a sandbox
+    /// taken meanwhile gets the usual weight back and no preload.
+    async fn begin_preload(
+        &self,
+        docker: &dyn SandboxBackend,
+        sandbox: &Sandbox,
+        state: &PreloadState,
+    ) {
+        let id = &sandbox.container_id;
+        let lowered = docker.set_cpu_weight(id, CpuWeight::Low).await;
+        if !state.moved(PreloadState::LOWERING, PreloadState::PRELOADING) {
+            // Taken while the weight was being lowered: this sees that it comes back.
+            if lowered {
+                docker.set_cpu_weight(id, CpuWeight::Usual).await;
+            }
+            return;
+        }
+        let asked =
+            tokio::time::timeout(PRELOAD_ASK_TIMEOUT, sandbox.preload(self.preload.names())).await;
+        if !matches!(asked, Ok(Ok(_))) {
+            tracing::debug!(container = %crate::sandbox::docker::short(id), "cannot ask a pooled sandbox to preload");
+        }
     }
 
     /// Removes every pooled sandbox and its workspace, and those still being started
@@ -380,15 +559,18 @@ async fn create_pooled(
     docker: &dyn SandboxBackend,
     data_dir: &Path,
     sandbox_uid: u32,
+    preload: &[String],
 ) -> anyhow::Result<Pooled> {
     let session_id = new_id();
     let workspace = Workspace::new(data_dir, &session_id);
     workspace.create(sandbox_uid)?;
-    match docker.create(&session_id, &workspace, true).await {
+    let preloads = !preload.is_empty();
+    match docker.create(&session_id, &workspace, Warmup::Kernel).await {
         Ok(sandbox) => Ok(Pooled {
             session_id,
             workspace,
             sandbox: Arc::new(sandbox),
+            preload: Arc::new(PreloadState::new(preloads)),
         }),
         Err(err) => {
             let _ = std::fs::remove_dir_all(workspace.root());
@@ -406,6 +588,7 @@ mod tests {
             pool_size,
             pool_max,
             pool_refill_concurrency,
+            preload: PreloadModules::default(),
         })
     }
 
@@ -455,6 +638,58 @@ mod tests {
             pool.take();
         }
         assert_eq!(pool.target(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_preloading_pool_keeps_some_on_the_way_while_it_is_taken_from() {
+        let pool = Pool::new(&PoolConfig {
+            pool_size: 2,
+            pool_max: 16,
+            pool_refill_concurrency: 2,
+            preload: "numpy".parse().expect("names"),
+        });
+        assert_eq!(pool.target(), 2, "no takes yet: its size");
+        // A chat's pace: one take every half second.
+        for _ in 0..6 {
+            pool.take();
+            tokio::time::advance(BURST_SPAN / 2).await;
+        }
+        assert_eq!(pool.target(), 2 + PRELOADS_AT_ONCE);
+        for _ in 0..30 {
+            pool.take();
+        }
+        assert_eq!(pool.target(), 16, "still clamped to the maximum");
+        tokio::time::advance(DEMAND_WINDOW * 2).await;
+        assert_eq!(pool.target(), 2, "back to its size after the window");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sandboxes_are_handed_out_preloaded_first_then_preloading() {
+        let states = [
+            PreloadState::WAITING,
+            PreloadState::PRELOADING,
+            PreloadState::LOWERING,
+            PreloadState::DONE,
+        ];
+        let ranks: Vec<u8> = states
+            .iter()
+            .map(|&s| PreloadState(AtomicU8::new(s)).rank())
+            .collect();
+        assert_eq!(ranks, [2, 1, 2, 0]);
+        // Only a sandbox at the low weight needs it given back by the taker.
+        let taken: Vec<bool> = states
+            .iter()
+            .map(|&s| PreloadState(AtomicU8::new(s)).take())
+            .collect();
+        assert_eq!(taken, [false, true, false, false]);
+        let state = PreloadState::new(true);
+        assert!(state.moved(PreloadState::WAITING, PreloadState::LOWERING));
+        assert!(
+            !state.take(),
+            "taken while lowering: the pool gives it back"
+        );
+        assert!(!state.moved(PreloadState::LOWERING, PreloadState::PRELOADING));
+        assert_eq!(PreloadState::new(false).get(), PreloadState::DONE);
     }
 
     #[test]
