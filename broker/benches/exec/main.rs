@@ -6,7 +6,9 @@
 //! container); the first exec of a new session with the pool warm and without a pool
 //! (baseline: `docker run --rm`); 20 new sessions at once (the first burst, then again
 //! with the pool grown, and where a burst of cold starts spends its CPU); 8 sessions x 200 warm execs in
-//! parallel; 10,000 lines of output; a 1 MiB upload read by an exec; 100 MiB up and down;
+//! parallel; 10,000 lines of output in one `print` and in a `print` loop; a new session
+//! whose first exec imports pandas and plots, paced like chat turns, with and without the
+//! pool's preload (and both again under gVisor); a 1 MiB upload read by an exec; 100 MiB up and down;
 //! 100 MiB written by an exec and brought down, through each file path (host and runner);
 //! 200 idle sessions held (broker RSS, memory per container); a C program compiled, then
 //! rerun from the compile cache; the first `import pandas`; a tool-call round trip; a
@@ -14,7 +16,7 @@
 //!
 //! `BENCH_QUICK=1` runs every row with small counts (a smoke run of a minute or two);
 //! `BENCH_N` multiplies the counts of the full run. `BENCH_ROWS=warm,new` runs only the
-//! named groups (`warm`, `new`, `burst`, `files`, `idle`, `churn`), e.g. to compare
+//! named groups (`warm`, `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`), e.g. to compare
 //! runtimes (`CODEBROKER_RUNTIME=runsc`, read by the broker and the `docker run` baseline).
 
 #[path = "../../../tests/common/mod.rs"]
@@ -244,6 +246,12 @@ async fn main() {
     }
     if wanted("new") {
         rows::new_session::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("chat") {
+        rows::chat::rows(scale, tmp.path(), &mut rows).await;
+    }
+    if wanted("runsc") {
+        rows::chat::runsc_rows(scale, tmp.path(), &mut rows).await;
     }
     if wanted("burst") {
         rows::burst::rows(scale, tmp.path(), &mut rows, &mut notes).await;

@@ -17,29 +17,44 @@ pub(crate) async fn rows(
     notes: &mut Vec<String>,
 ) {
     let n = scale.pick(20, 8);
-    let bench = Bench::start("burst", data, |c| {
-        c.pool.pool_size = 2;
-        c.pool.pool_max = 16;
-    })
-    .await;
-    bench.wait_pool(2).await;
-    let (first, failed) = burst(&bench, n).await;
-    rows.push(Row::timed(
-        &format!("{n} new sessions at once, pool 2 ({failed} failed)"),
-        first,
-        "p99<=1500, 0 failed",
-        "first burst: cold starts",
-    ));
-    let target = bench.health().await["pool"]["target"].as_u64().unwrap_or(0);
-    bench.wait_pool(target).await;
-    let (grown, failed) = burst(&bench, n).await;
-    rows.push(Row::timed(
-        &format!("{n} new sessions at once, pool {target} ({failed} failed)"),
-        grown,
-        "p99<=1500, 0 failed",
-        "pool grown by the first",
-    ));
-    bench.stop().await;
+    let default_preload = codebroker::config::Config::for_tests(data.to_path_buf(), "defaults")
+        .pool
+        .preload;
+    // With the default preload (what a fresh install does), then, as the same run's
+    // baseline, without it: a pool that preloads must not slow a burst down.
+    for (tag, preload, note) in [
+        ("burst", default_preload, ""),
+        (
+            "burst-nopreload",
+            Default::default(),
+            ", CODEBROKER_PRELOAD empty",
+        ),
+    ] {
+        let bench = Bench::start(tag, data, |c| {
+            c.pool.pool_size = 2;
+            c.pool.pool_max = 16;
+            c.pool.preload = preload;
+        })
+        .await;
+        bench.wait_pool(2).await;
+        let (first, failed) = burst(&bench, n).await;
+        rows.push(Row::timed(
+            &format!("{n} new sessions at once, pool 2{note} ({failed} failed)"),
+            first,
+            "p99<=1500, 0 failed",
+            "first burst: cold starts",
+        ));
+        let target = bench.health().await["pool"]["target"].as_u64().unwrap_or(0);
+        bench.wait_pool(target).await;
+        let (grown, failed) = burst(&bench, n).await;
+        rows.push(Row::timed(
+            &format!("{n} new sessions at once, pool {target}{note} ({failed} failed)"),
+            grown,
+            "p99<=1500, 0 failed",
+            "pool grown by the first",
+        ));
+        bench.stop().await;
+    }
 
     // The same burst with no pool at all, with the CPU time of each part of the host.
     let cold_n = n - 2;

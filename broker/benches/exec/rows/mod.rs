@@ -1,7 +1,8 @@
 //! The groups of rows, each run when `BENCH_ROWS` names it (or names none): `warm`,
-//! `new`, `burst`, `files`, `idle`, `churn`.
+//! `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`.
 
 pub(crate) mod burst;
+pub(crate) mod chat;
 pub(crate) mod churn;
 pub(crate) mod files;
 pub(crate) mod idle;

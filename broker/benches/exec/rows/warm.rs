@@ -1,5 +1,5 @@
 //! One session: warm execs, streaming, the tool-call round trip, the compile cache,
-//! 10,000 lines, parallel execs.
+//! 10,000 lines (one print, and a print loop), parallel execs.
 
 use crate::common::docker::running_containers_of;
 use crate::table::{p50, summary, Row};
@@ -87,10 +87,18 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
         lines.push(took);
     }
     rows.push(Row::timed(
-        "10,000-line output, /exec",
+        "10,000 lines in one print, /exec",
         lines,
         "p50<=25",
         "",
+    ));
+    // The same lines as models write them: one print() each.
+    let loops = crate::rows::chat::print_loop(&bench, &session, scale.pick(30, 5)).await;
+    rows.push(Row::timed(
+        "10,000 lines, print() in a loop, /exec",
+        loops,
+        "p50<=12",
+        "issue: 72 (thehapyone: 280)",
     ));
 
     // A C program compiled, then rerun from the compile cache.
