@@ -250,16 +250,25 @@ impl Broker {
             };
             let target_name = target_path.to_string_lossy().into_owned();
             // This session's current version at the name, when it has the same bytes.
-            let same_bytes = session
+            let (same_bytes, placed_read_only) = session
                 .index()
                 .current(&target_name)
                 .filter(|c| c.sha256 == record.sha256)
-                .map(|c| c.id.clone());
+                .map(|c| (Some(c.id.clone()), c.read_only))
+                .unwrap_or((None, false));
             if Arc::ptr_eq(&source, session) {
                 // Still in place, as this version? Then nothing to do; else restore it.
                 if same_bytes.is_some() {
                     continue;
                 }
+            } else if same_bytes.is_some()
+                && record.read_only
+                && placed_read_only
+                && self.read_only_stays_as_placed()
+            {
+                // A shared file copied in at an earlier exec, which the code cannot have
+                // changed: a skill's files come with every call, and are not written again.
+                continue;
             } else if same_bytes.is_none() {
                 // A copy from another session is a new version of this one: budgeted.
                 let fits = {
@@ -344,6 +353,15 @@ impl Broker {
             delete_unused_blobs(&session.workspace, &index, unused).await;
         }
         Ok(())
+    }
+
+    /// Whether a read-only file placed in a workspace stays as placed whatever the code
+    /// does: the broker writes it as its own (the host file path) and is not the sandbox's
+    /// uid (SECURITY.md). Through the runner, or as the sandbox uid, code can change its
+    /// copy, so such a copy is placed again at every exec that names it.
+    fn read_only_stays_as_placed(&self) -> bool {
+        self.config.sandbox.file_transfer == crate::config::FileTransfer::Host
+            && crate::workspace::euid() != self.config.sandbox.sandbox_uid
     }
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the
