@@ -272,7 +272,7 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
     }
 }
 
-/// The tenant of the configured key `given` is, or `None` when it is none of them.
+/// The tenant of the configured key that `given` is, or `None` when it is none of them.
 pub(crate) fn key_tenant(config: &crate::config::Config, given: &str) -> Option<Tenant> {
     let index = matching_key(config.access.api_keys(), given)?;
     config.access.api_keys().nth(index).map(Tenant::of_key)
@@ -295,7 +295,7 @@ fn header_key(headers: &HeaderMap) -> Option<&str> {
 
 /// Most bytes of `Authorization: Basic` credentials read, encoded: room for a long key and
 /// a user name; anything longer is refused before it is decoded.
-pub(crate) const MAX_BASIC_CREDENTIALS: usize = 4096;
+const MAX_BASIC_CREDENTIALS: usize = 4096;
 
 /// The decoded credentials of `Authorization: Basic <base64>`: `None` without that
 /// scheme, an error (for the client) when they cannot be read.
@@ -320,6 +320,7 @@ fn basic_credentials(headers: &HeaderMap) -> Option<Result<String, &'static str>
 
 /// `base64(credentials)` as text, with or without padding.
 fn decode_basic(encoded: &str) -> Result<String, &'static str> {
+    const _: () = assert!(MAX_BASIC_CREDENTIALS == 4096, "the message below says 4096");
     if encoded.len() > MAX_BASIC_CREDENTIALS {
         return Err("HTTP Basic credentials are over 4096 bytes");
     }
