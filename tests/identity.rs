@@ -79,9 +79,14 @@ impl Proc {
     }
 
     async fn exec(&self, session: &str, code: &str) -> Value {
+        self.exec_with(json!({"lang": "bash", "code": code, "session_id": session}))
+            .await
+    }
+
+    async fn exec_with(&self, body: Value) -> Value {
         let resp = reqwest::Client::new()
             .post(format!("{}/exec", self.base))
-            .json(&json!({"lang": "bash", "code": code, "session_id": session}))
+            .json(&body)
             .timeout(Duration::from_secs(120))
             .send()
             .await
@@ -122,11 +127,14 @@ async fn with_the_image_entrypoint_code_cannot_touch_a_skill_and_others_cannot_r
         .json()
         .await
         .expect("json");
-    let s = up["session_id"].as_str().expect("session_id").to_string();
+    let shared = up["session_id"].as_str().expect("session_id").to_string();
     let file_id = up["files"][0]["fileId"]
         .as_str()
         .expect("fileId")
         .to_string();
+    // A skill is shared: an exec gets it through its ref, in a session of its own.
+    let skill_ref = json!([{"id": file_id, "storage_session_id": shared,
+                            "name": "skills/pptx/SKILL.md", "kind": "skill"}]);
 
     // Every way code could change, replace or drop the skill; each line says whether it
     // worked. A normal file, in the workspace and beside the skill, must still work.
@@ -146,7 +154,11 @@ try rmtree 'rm -rf skills && ! test -e skills'
 try write 'echo mine > notes.txt && test "$(cat notes.txt)" = mine'
 try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/notes.md)" = mine'
 "#;
-    let resp = broker.exec(&s, attack).await;
+    let resp = broker
+        .exec_with(json!({"lang": "bash", "code": attack, "files": skill_ref}))
+        .await;
+    let s = common::session(&resp);
+    assert_ne!(s, shared, "the exec ran in the shared session");
     let out = stdout(&resp).to_string();
     eprintln!("{out}{}", resp["stderr"].as_str().unwrap_or(""));
     for op in [
@@ -168,11 +180,12 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
     assert!(out.contains("write=ok"), "{resp}");
     assert!(out.contains("writeskills=ok"), "{resp}");
 
-    // The next exec and a download both still see the upload as it was.
+    // The next exec in that session (without the ref, which would place it again) and a
+    // download both still see the upload as it was.
     let resp = broker.exec(&s, "cat skills/pptx/SKILL.md").await;
     assert_eq!(stdout(&resp), SKILL, "{resp}");
     let body = client
-        .get(format!("{}/download/{s}/{file_id}", broker.base))
+        .get(format!("{}/download/{shared}/{file_id}", broker.base))
         .send()
         .await
         .expect("download")
@@ -320,12 +333,16 @@ async fn with_a_root_broker_a_skill_cannot_be_replaced_either() {
         .json()
         .await
         .expect("json");
-    let s = up["session_id"].as_str().expect("session_id").to_string();
+    let skill_ref = json!([{"id": up["files"][0]["fileId"], "storage_session_id": up["session_id"],
+                            "name": "skills/pptx/SKILL.md", "kind": "skill"}]);
     let code = r#"
 rm -f skills/pptx/SKILL.md 2>/dev/null; mv skills skills.old 2>/dev/null
 mkdir -p skills/pptx 2>/dev/null; echo INJECTED > skills/pptx/SKILL.md 2>/dev/null
 cat skills/pptx/SKILL.md
 "#;
-    let resp = broker.run("bash", code, Some(&s)).await;
+    let (status, resp) = broker
+        .exec(json!({"lang": "bash", "code": code, "files": skill_ref}))
+        .await;
+    assert_eq!(status, 200, "{resp}");
     assert_eq!(stdout(&resp), SKILL, "{resp}");
 }

@@ -61,7 +61,10 @@ print(df.temp.sum())
         .await;
     assert_eq!(status, 200, "{resp}");
     assert_eq!(stdout(&resp).trim(), "43", "{resp}");
-    assert_eq!(session(&resp), s, "the exec ran in the upload's session");
+    // An agent's files (classic `entity_id`) are shared and read-only: the exec runs in a
+    // session of the caller's own, and its outputs stay there.
+    let x = session(&resp);
+    assert_ne!(x, s, "the exec ran in the shared upload's session");
     let files = resp["files"].as_array().expect("files");
     let mut names: Vec<&str> = files.iter().filter_map(|f| f["name"].as_str()).collect();
     names.sort();
@@ -71,7 +74,7 @@ print(df.temp.sum())
     for f in files {
         let id = f["id"].as_str().expect("id");
         let dl = broker
-            .get(&format!("/v1/download/{s}/{id}?extra=ignored"))
+            .get(&format!("/v1/download/{x}/{id}?extra=ignored"))
             .await;
         assert_eq!(dl.status(), 200);
         let bytes = dl.bytes().await.expect("bytes");
@@ -82,9 +85,9 @@ print(df.temp.sum())
         }
     }
 
-    // Listing: summary and full.
+    // Listing: summary and full. The exec's session has the input's copy and the outputs.
     let summary: Value = broker
-        .get(&format!("/v1/files/{s}?detail=summary"))
+        .get(&format!("/v1/files/{x}?detail=summary"))
         .await
         .json()
         .await
@@ -93,7 +96,11 @@ print(df.temp.sum())
     assert_eq!(list.len(), 3, "{summary}");
     for item in list {
         let name = item["name"].as_str().expect("name");
-        assert!(name.starts_with(&format!("{s}/")), "{name}");
+        assert!(name.starts_with(&format!("{x}/")), "{name}");
+        assert_eq!(
+            name,
+            format!("{x}/{}", item["fileId"].as_str().expect("fileId"))
+        );
         assert!(item["lastModified"]
             .as_str()
             .is_some_and(|t| t.ends_with('Z')));
@@ -116,6 +123,25 @@ print(df.temp.sum())
 
     // The uploaded input was not reported as generated.
     assert!(files.iter().all(|f| f["name"] != "data.csv"));
+    // The shared session holds the upload alone.
+    let shared: Value = broker
+        .get(&format!("/v1/files/{s}?detail=summary"))
+        .await
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(shared.as_array().map(Vec::len), Some(1), "{shared}");
+
+    // The next call with the same refs finds the caller's session again, variables too.
+    let (status, again) = broker
+        .exec(json!({
+            "lang": "py", "code": "print(len(df))",
+            "files": [{ "id": file_id, "session_id": s, "name": "data.csv" }],
+        }))
+        .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(session(&again), x, "{again}");
+    assert_eq!(stdout(&again), "3\n", "{again}");
 }
 
 #[tokio::test]

@@ -462,7 +462,9 @@ pub struct Caps {
 /// How callers prove who they are: API keys, JWTs, the mode.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuthConfig {
-    /// API key(s) clients must send (`X-API-Key`, `Authorization: Bearer`), comma-separated.
+    /// API key(s) clients must send (`X-API-Key`, `Authorization: Bearer`, or HTTP Basic as
+    /// the user name or the password), comma-separated. Each key is a tenant of its own:
+    /// the skill and agent files uploaded with it are shared by its callers only.
     #[arg(
         long,
         env = "CODEBROKER_API_KEY",

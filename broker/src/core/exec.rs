@@ -44,6 +44,8 @@ pub(crate) struct ExecInput {
     pub(crate) timeout_ms: Option<u64>,
     /// Files to place in `/mnt/data` first.
     pub(crate) files: Vec<InputFile>,
+    /// The caller's tenant: whose shared files (skills, agent files) `files` may name.
+    pub(crate) tenant: Option<String>,
 }
 
 /// What a front end attaches to an exec besides its input.
@@ -235,7 +237,7 @@ impl Broker {
         );
         let started = Instant::now();
         let mut notes = Vec::new();
-        self.place_inputs(&session, &input.files, &mut notes)
+        self.place_inputs(&session, &input.files, input.tenant.as_deref(), &mut notes)
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;

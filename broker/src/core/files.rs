@@ -102,8 +102,10 @@ impl Broker {
         let _turn = session.acquire().await;
         let workspace = session.workspace.clone();
         let (at, backend) = (session.files(), self.backend.clone());
-        let read_only =
-            options.read_only || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
+        // Shared files are read-only for everyone, the uploader too.
+        let read_only = options.read_only
+            || session.is_shared()
+            || matches!(options.kind.as_deref(), Some("skill") | Some("agent"));
         let kind = options.kind.clone();
         let budget = self.storage_budget(session);
         // Only this turn changes the index: a copy is changed, then put back.
@@ -189,16 +191,20 @@ impl Broker {
 
     /// Places an exec's input refs in its session (with its turn held): refs to this
     /// session's files must exist; files of other sessions of the same user are copied
-    /// in. Missing inputs are named in `notes`; another user's file is a 403.
+    /// in, and so are shared files of the caller's `tenant`, read-only. Missing inputs are
+    /// named in `notes`, and so are shared files of another tenant, as if they did not
+    /// exist; another user's file is a 403.
     ///
     /// The refs were authorised against the caller when the session was chosen
     /// ([`Broker::choose_session`]); this checks the source against the destination's
     /// owner as well, so that no file moves into a session whose owner could not see it
-    /// (an unnamed caller may run in any user's session).
+    /// (an unnamed caller may run in any user's session). A shared file is checked against
+    /// the caller's tenant instead: whoever may read it may copy it where they may write.
     pub(crate) async fn place_inputs(
         &self,
         session: &Arc<Session>,
         files: &[InputFile],
+        tenant: Option<&str>,
         notes: &mut Vec<String>,
     ) -> Result<()> {
         let mut placed = Vec::new();
@@ -209,6 +215,13 @@ impl Broker {
                 session.clone()
             } else {
                 match self.registry.get(&file.session_id) {
+                    Some(s) if s.is_shared() => {
+                        if !s.readable_by(None, tenant) {
+                            notes.push(missing());
+                            continue;
+                        }
+                        s
+                    }
                     Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
                     Some(_) => {
                         return Err(Error::Forbidden(
@@ -236,13 +249,27 @@ impl Broker {
                 continue;
             };
             let target_name = target_path.to_string_lossy().into_owned();
+            // This session's current version at the name, when it has the same bytes.
+            let (same_bytes, placed_read_only) = session
+                .index()
+                .current(&target_name)
+                .filter(|c| c.sha256 == record.sha256)
+                .map(|c| (Some(c.id.clone()), c.read_only))
+                .unwrap_or((None, false));
             if Arc::ptr_eq(&source, session) {
                 // Still in place, as this version? Then nothing to do; else restore it.
-                let current = session.index().current(&target_name).cloned();
-                if current.is_some_and(|c| c.sha256 == record.sha256) {
+                if same_bytes.is_some() {
                     continue;
                 }
-            } else {
+            } else if same_bytes.is_some()
+                && record.read_only
+                && placed_read_only
+                && self.read_only_stays_as_placed()
+            {
+                // A shared file copied in at an earlier exec, which the code cannot have
+                // changed: a skill's files come with every call, and are not written again.
+                continue;
+            } else if same_bytes.is_none() {
                 // A copy from another session is a new version of this one: budgeted.
                 let fits = {
                     let index = session.index();
@@ -279,9 +306,14 @@ impl Broker {
             match result {
                 Ok(stamp) => placed.push(FileRecord {
                     // Restoring a version of this session at its own name keeps its id;
-                    // any other placement is a new file of this session.
+                    // so does a copy of the bytes this session already has at the name
+                    // (a skill's files, copied again at every exec, are written afresh
+                    // but not recorded again); any other placement is a new file of this
+                    // session.
                     id: if Arc::ptr_eq(&source, session) && record.name == target_name {
                         record.id.clone()
+                    } else if let Some(id) = same_bytes {
+                        id
                     } else {
                         new_id()
                     },
@@ -321,6 +353,15 @@ impl Broker {
             delete_unused_blobs(&session.workspace, &index, unused).await;
         }
         Ok(())
+    }
+
+    /// Whether a read-only file placed in a workspace stays as placed whatever the code
+    /// does: the broker writes it as its own (the host file path) and is not the sandbox's
+    /// uid (SECURITY.md). Through the runner, or as the sandbox uid, code can change its
+    /// copy, so such a copy is placed again at every exec that names it.
+    fn read_only_stays_as_placed(&self) -> bool {
+        self.config.sandbox.file_transfer == crate::config::FileTransfer::Host
+            && crate::workspace::euid() != self.config.sandbox.sandbox_uid
     }
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the

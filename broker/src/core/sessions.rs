@@ -6,6 +6,7 @@ use crate::core::{Broker, InputFile};
 use crate::ids::{is_valid_id, new_id};
 use crate::session::{Session, SessionMeta};
 use crate::workspace::{FileRecord, Workspace};
+use sha2::Digest as _;
 use std::sync::Arc;
 
 /// How the caller wants a session chosen (docs/API.md, "POST /exec").
@@ -19,6 +20,8 @@ pub(crate) struct SessionChoice {
     pub(crate) runtime_session_hint: Option<String>,
     /// A LibreChat agent or assistant id.
     pub(crate) entity_id: Option<String>,
+    /// The caller's tenant: whose shared files (skills, agent files) the refs may name.
+    pub(crate) tenant: Option<String>,
 }
 
 impl Broker {
@@ -33,6 +36,7 @@ impl Broker {
         let user = choice.user.as_deref();
         self.authorize_refs(user, files)?;
         let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(user));
+        let shared = self.shared_refs_key(user, choice.tenant.as_deref(), files);
         if let Some(id) = choice.session_id.as_deref().filter(|s| !s.is_empty()) {
             if !is_valid_id(id) {
                 return Err(Error::BadRequest(format!("invalid session_id: {id:?}")));
@@ -59,6 +63,12 @@ impl Broker {
             return Ok(s);
         } else if let Some(s) = self.session_of_refs(user, files)? {
             return Ok(s);
+        } else if let Some(s) = shared
+            .as_deref()
+            .and_then(|key| self.registry.by_hint(user, key))
+            .filter(|s| s.visible_to(user))
+        {
+            return Ok(s);
         } else if let Some(s) = choice
             .entity_id
             .as_deref()
@@ -71,20 +81,23 @@ impl Broker {
         let hint = choice
             .runtime_session_hint
             .as_deref()
-            .filter(|h| !h.is_empty() && !is_valid_id(h));
+            .filter(|h| !h.is_empty() && !is_valid_id(h))
+            .or(shared.as_deref());
         self.new_session_with(user, choice.entity_id.as_deref(), hint, true)
             .await
     }
 
     /// Refuses refs to files of sessions `user` may not see. Unknown sessions pass: the
-    /// exec runs and names the missing input.
+    /// exec runs and names the missing input. So do sessions of shared files: those of the
+    /// caller's tenant are placed read-only, any other is named missing like an unknown
+    /// one, so another tenant's ids cannot be probed ([`Broker::place_inputs`]).
     pub(crate) fn authorize_refs(&self, user: Option<&str>, files: &[InputFile]) -> Result<()> {
         let foreign = files.iter().any(|f| {
             !f.session_id.is_empty()
                 && self
                     .registry
                     .get(&f.session_id)
-                    .is_some_and(|s| !s.visible_to(user))
+                    .is_some_and(|s| !s.is_shared() && !s.visible_to(user))
         });
         if foreign {
             return Err(Error::Forbidden(
@@ -94,16 +107,26 @@ impl Broker {
         Ok(())
     }
 
-    /// The one session every input ref belongs to, when there is one.
+    /// The one session every input ref belongs to, when there is one. Refs to shared files
+    /// (skills, agent files, injected into every call) do not count: the exec never runs in
+    /// their session, and the conversation's own files still lead to its session.
     pub(crate) fn session_of_refs(
         &self,
         user: Option<&str>,
         files: &[InputFile],
     ) -> Result<Option<Arc<Session>>> {
-        let Some(first) = files.first() else {
+        let own: Vec<&InputFile> = files
+            .iter()
+            .filter(|f| {
+                self.registry
+                    .get(&f.session_id)
+                    .is_none_or(|s| !s.is_shared())
+            })
+            .collect();
+        let Some(first) = own.first() else {
             return Ok(None);
         };
-        if files.iter().any(|f| f.session_id != first.session_id) {
+        if own.iter().any(|f| f.session_id != first.session_id) {
             return Ok(None);
         }
         match self.registry.get(&first.session_id) {
@@ -113,6 +136,36 @@ impl Broker {
             )),
             None => Ok(None),
         }
+    }
+
+    /// When every input ref names a shared file the caller may read (the first call with
+    /// a skill, or a classic agent's files), the key the caller's own session for those
+    /// shared sessions is remembered by, as a hint is: the next such call finds it again
+    /// (its Python state too), as a call with the agent's `entity_id` finds the agent's.
+    fn shared_refs_key(
+        &self,
+        user: Option<&str>,
+        tenant: Option<&str>,
+        files: &[InputFile],
+    ) -> Option<String> {
+        let mut ids: Vec<&str> = Vec::new();
+        for f in files {
+            let shared = self
+                .registry
+                .get(&f.session_id)
+                .is_some_and(|s| s.is_shared() && s.readable_by(user, tenant));
+            if !shared {
+                return None;
+            }
+            ids.push(&f.session_id);
+        }
+        if ids.is_empty() {
+            return None;
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let digest = sha2::Sha256::digest(ids.join(",").as_bytes());
+        Some(format!("shared:{}", hex::encode(&digest[..12])))
     }
 
     /// A new session: a pooled sandbox when one is ready (and `for_exec`: an upload
@@ -132,6 +185,32 @@ impl Broker {
         user: Option<&str>,
         entity_id: Option<&str>,
         hint: Option<&str>,
+        for_exec: bool,
+    ) -> Result<Arc<Session>> {
+        self.create_session(user, entity_id, hint, None, for_exec)
+            .await
+    }
+
+    /// A new session for files `user` uploads to share in `tenant` (skills, agent files):
+    /// readable by every caller of the tenant, changed by none (see
+    /// [`SessionMeta::shared_in`]). Each such upload gets one of its own, as LibreChat's
+    /// own code server does, so no later upload can replace what earlier refs point to.
+    pub(crate) async fn new_shared_session(
+        &self,
+        user: Option<&str>,
+        tenant: &str,
+        entity_id: Option<&str>,
+    ) -> Result<Arc<Session>> {
+        self.create_session(user, entity_id, None, Some(tenant), false)
+            .await
+    }
+
+    async fn create_session(
+        &self,
+        user: Option<&str>,
+        entity_id: Option<&str>,
+        hint: Option<&str>,
+        shared_in: Option<&str>,
         for_exec: bool,
     ) -> Result<Arc<Session>> {
         crate::core::diskspace::check_room_for_new_session(
@@ -171,6 +250,7 @@ impl Broker {
             entity_id: entity_id.filter(|e| !e.is_empty()).map(str::to_string),
             runtime_hint: hint.map(str::to_string),
             created_ms: now_ms(),
+            shared_in: shared_in.map(str::to_string),
         };
         let session = self
             .registry
@@ -181,6 +261,7 @@ impl Broker {
             "session": session.id(),
             "entity_id": entity_id,
             "pooled": pooled.is_some(),
+            "shared_in": shared_in,
         });
         self.audit.record("session_create", created);
         if let Some(p) = pooled {
@@ -200,6 +281,25 @@ impl Broker {
         user: Option<&str>,
         session_id: &str,
     ) -> Result<Arc<Session>> {
+        self.session_if(session_id, |s| s.visible_to(user))
+    }
+
+    /// The session `session_id` if a caller naming `user` in `tenant` may read it: one it
+    /// may see, or one shared in its tenant (not found otherwise, for the same reason).
+    pub(crate) fn readable_session(
+        &self,
+        user: Option<&str>,
+        tenant: Option<&str>,
+        session_id: &str,
+    ) -> Result<Arc<Session>> {
+        self.session_if(session_id, |s| s.readable_by(user, tenant))
+    }
+
+    fn session_if(
+        &self,
+        session_id: &str,
+        allowed: impl Fn(&Session) -> bool,
+    ) -> Result<Arc<Session>> {
         if !is_valid_id(session_id) {
             return Err(Error::BadRequest(format!(
                 "invalid session id: {session_id:?}"
@@ -207,21 +307,23 @@ impl Broker {
         }
         self.registry
             .get(session_id)
-            .filter(|s| s.visible_to(user))
+            .filter(|s| allowed(s))
             .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))
     }
 
-    /// The live (not expired) record of `file_id` in a session `user` may see.
-    pub(crate) fn visible_record(
+    /// The live (not expired) record of `file_id` in a session a caller naming `user` in
+    /// `tenant` may read.
+    pub(crate) fn readable_record(
         &self,
         user: Option<&str>,
+        tenant: Option<&str>,
         session_id: &str,
         file_id: &str,
     ) -> Result<(Arc<Session>, FileRecord)> {
         if !is_valid_id(file_id) {
             return Err(Error::BadRequest(format!("invalid file id: {file_id:?}")));
         }
-        let session = self.visible_session(user, session_id)?;
+        let session = self.readable_session(user, tenant, session_id)?;
         let record = session
             .index()
             .get(file_id)

@@ -1,9 +1,11 @@
-//! Who is calling: API keys (headers, or LibreChat's body field), LibreChat-minted JWTs,
-//! and the end user (docs/API.md, "Identity and auth").
+//! Who is calling: API keys (headers, HTTP Basic credentials, or LibreChat's body field),
+//! LibreChat-minted JWTs, the tenant they act in, and the end user (docs/API.md, "Identity
+//! and auth").
 //!
 //! Under a JWT the user is its `sub`, whatever else the request says; under an API key the
 //! caller is a trusted server and names the user itself (`User-Id`, body `user_id`,
-//! `?kind=user&id=U`).
+//! `?kind=user&id=U`). The tenant decides who shares skill and agent files: a JWT's
+//! `tenant_id`, or the key that authenticated the request.
 
 use crate::config::AuthMode;
 use crate::http::error::AppError;
@@ -15,9 +17,11 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
 use bytes::BytesMut;
 use http_body_util::BodyExt;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 use std::time::Duration;
 
 /// Put in the request's extensions by [`require_auth`] when a JWT authenticated it: the
@@ -25,12 +29,50 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 pub(crate) struct JwtUser(pub String);
 
+/// The tenant a request acts in, put in its extensions by [`require_auth`]: every caller
+/// of one tenant may read the files shared in it (skills, agent files), and no caller of
+/// another tenant sees them. JWT tenants and key tenants are kept apart by a prefix, so no
+/// `tenant_id` claim can name a key's tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Tenant(pub(crate) String);
+
+/// The tenant LibreChat puts in its tokens when it has none of its own (`packages/api`
+/// `buildClaims`: `CODEAPI_JWT_SINGLE_TENANT_ID ?? 'legacy'`); a token without the claim is
+/// in it too.
+pub(crate) const LIBRECHAT_DEFAULT_TENANT: &str = "legacy";
+
+/// Longest `tenant_id` claim accepted (it is stored with every shared session).
+pub(crate) const MAX_TENANT_ID_CHARS: usize = 256;
+
+impl Tenant {
+    /// A JWT's tenant: its `tenant_id` claim, else LibreChat's default.
+    pub(crate) fn of_jwt(claim: Option<&str>) -> Tenant {
+        let id = claim
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .unwrap_or(LIBRECHAT_DEFAULT_TENANT);
+        Tenant(format!("jwt:{id}"))
+    }
+
+    /// The tenant of everyone who holds `key`: a digest, so the key itself is never stored
+    /// or logged.
+    pub(crate) fn of_key(key: &str) -> Tenant {
+        let digest = Sha256::digest(key.as_bytes());
+        Tenant(format!("key:{}", hex::encode(&digest[..8])))
+    }
+
+    /// The one tenant of a broker without authentication.
+    pub(crate) fn open() -> Tenant {
+        Tenant("open".into())
+    }
+}
+
 /// What the headers proved.
 enum HeaderAuth {
-    /// A configured API key.
-    Key,
-    /// A valid JWT, for this user.
-    Jwt(String),
+    /// A configured API key, whose tenant this is.
+    Key(Tenant),
+    /// A valid JWT, for this user in this tenant.
+    Jwt(String, Tenant),
     /// No credentials in the headers (the body may hold the key).
     Absent,
 }
@@ -44,12 +86,17 @@ pub(crate) async fn require_auth(
     let broker = &state.broker;
     let config = &broker.config;
     if config.access.auth == AuthMode::None {
+        request.extensions_mut().insert(Tenant::open());
         return next.run(request).await;
     }
     match header_auth(&state, request.headers()) {
-        Ok(HeaderAuth::Key) => return next.run(request).await,
-        Ok(HeaderAuth::Jwt(user)) => {
+        Ok(HeaderAuth::Key(tenant)) => {
+            request.extensions_mut().insert(tenant);
+            return next.run(request).await;
+        }
+        Ok(HeaderAuth::Jwt(user, tenant)) => {
             request.extensions_mut().insert(JwtUser(user));
+            request.extensions_mut().insert(tenant);
             return next.run(request).await;
         }
         Ok(HeaderAuth::Absent) => {}
@@ -136,15 +183,16 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
                 .into_response()
         }
     };
-    let body_key = key_in_body(&bytes);
-    match body_key {
-        Some(key) if key_matches(config.access.api_keys(), &key) => {
+    let tenant = key_in_body(&bytes).and_then(|key| key_tenant(config, &key));
+    match tenant {
+        Some(tenant) => {
             // Authenticated now: the budget is for reading unauthenticated bytes.
             drop(permit);
-            next.run(Request::from_parts(parts, Body::from(bytes)))
-                .await
+            let mut request = Request::from_parts(parts, Body::from(bytes));
+            request.extensions_mut().insert(tenant);
+            next.run(request).await
         }
-        _ => AppError::Unauthorized.into_response(),
+        None => AppError::Unauthorized.into_response(),
     }
 }
 
@@ -182,12 +230,13 @@ pub(crate) fn authenticated(state: &AppState, headers: &HeaderMap) -> bool {
     state.broker.config.access.auth == AuthMode::None
         || matches!(
             header_auth(state, headers),
-            Ok(HeaderAuth::Key | HeaderAuth::Jwt(_))
+            Ok(HeaderAuth::Key(_) | HeaderAuth::Jwt(..))
         )
 }
 
 /// Checks the credentials in the headers. A bearer token that is a JWT (and not one of
-/// the API keys) must verify; otherwise `X-API-Key`, else the bearer token, must be a key.
+/// the API keys) must verify; otherwise `X-API-Key`, else the bearer token, else the HTTP
+/// Basic credentials, must hold a key.
 fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppError> {
     let broker = &state.broker;
     let config = &broker.config;
@@ -199,7 +248,8 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
             return match state.jwt.verify(token) {
                 Ok(verified) => {
                     tracing::debug!(user = %verified.user, tenant = ?verified.tenant_id, "JWT accepted");
-                    Ok(HeaderAuth::Jwt(verified.user))
+                    let tenant = Tenant::of_jwt(verified.tenant_id.as_deref());
+                    Ok(HeaderAuth::Jwt(verified.user, tenant))
                 }
                 Err(reason) => {
                     tracing::info!(%reason, "JWT rejected");
@@ -208,11 +258,24 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
             };
         }
     }
-    match header_key(headers) {
-        Some(key) if key_matches(config.access.api_keys(), key) => Ok(HeaderAuth::Key),
-        Some(_) => Err(AppError::Unauthorized),
-        None => Ok(HeaderAuth::Absent),
+    if let Some(key) = header_key(headers) {
+        return key_tenant(config, key)
+            .map(HeaderAuth::Key)
+            .ok_or(AppError::Unauthorized);
     }
+    match basic_credentials(headers) {
+        None => Ok(HeaderAuth::Absent),
+        Some(Err(why)) => Err(AppError::BadBasicCredentials(why.to_string())),
+        Some(Ok(credentials)) => basic_key(config, &credentials)
+            .map(HeaderAuth::Key)
+            .map_err(AppError::BadBasicCredentials),
+    }
+}
+
+/// The tenant of the configured key that `given` is, or `None` when it is none of them.
+pub(crate) fn key_tenant(config: &crate::config::Config, given: &str) -> Option<Tenant> {
+    let index = matching_key(config.access.api_keys(), given)?;
+    config.access.api_keys().nth(index).map(Tenant::of_key)
 }
 
 /// The token of `Authorization: Bearer <token>`.
@@ -230,19 +293,110 @@ fn header_key(headers: &HeaderMap) -> Option<&str> {
     bearer_token(headers)
 }
 
-/// Compares without an early exit on the first differing byte, so timing does not
-/// reveal how much of a key was right.
-pub(crate) fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> bool {
-    let mut ok = false;
-    for key in keys {
+/// Most bytes of `Authorization: Basic` credentials read, encoded: room for a long key and
+/// a user name; anything longer is refused before it is decoded.
+const MAX_BASIC_CREDENTIALS: usize = 4096;
+
+/// The decoded credentials of `Authorization: Basic <base64>`: `None` without that
+/// scheme, an error (for the client) when they cannot be read.
+fn basic_credentials(headers: &HeaderMap) -> Option<Result<String, &'static str>> {
+    let value = headers.get(header::AUTHORIZATION)?;
+    let value = match value.to_str() {
+        Ok(v) => v.trim(),
+        // Not visible ASCII: not base64 either, if it is Basic at all.
+        Err(_) => {
+            let raw = value.as_bytes();
+            let basic = raw.len() >= 6 && raw[..6].eq_ignore_ascii_case(b"basic ");
+            return basic.then_some(Err("HTTP Basic credentials must be base64"));
+        }
+    };
+    let (scheme, encoded) = value.split_once(' ').unwrap_or((value, ""));
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let encoded = encoded.trim();
+    Some(decode_basic(encoded))
+}
+
+/// `base64(credentials)` as text, with or without padding.
+fn decode_basic(encoded: &str) -> Result<String, &'static str> {
+    const _: () = assert!(MAX_BASIC_CREDENTIALS == 4096, "the message below says 4096");
+    if encoded.len() > MAX_BASIC_CREDENTIALS {
+        return Err("HTTP Basic credentials are over 4096 bytes");
+    }
+    let engine = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    let bytes = engine
+        .decode(encoded)
+        .map_err(|_| "HTTP Basic credentials must be base64")?;
+    let text = String::from_utf8(bytes).map_err(|_| "HTTP Basic credentials must be UTF-8")?;
+    if text.is_empty() || text == ":" {
+        return Err(
+            "HTTP Basic credentials are empty: send the API key as the user name \
+                    or the password (https://<key>@host/v1)",
+        );
+    }
+    Ok(text)
+}
+
+/// The tenant of the key HTTP Basic credentials carry, whichever part holds it: all of
+/// them (`key`, as node-fetch 2 sends a base URL's `key@`), the user name (`key:`, as
+/// axios sends it) or the password (`:key`, `user:key`). Every part is compared with
+/// every key; parts that name two different keys are refused.
+fn basic_key(config: &crate::config::Config, credentials: &str) -> Result<Tenant, String> {
+    let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
+    let mut found = None;
+    let mut ambiguous = false;
+    for part in [credentials, user, password] {
+        if let Some(index) = matching_key(config.access.api_keys(), part) {
+            ambiguous |= found.is_some_and(|f| f != index);
+            found = Some(index);
+        }
+    }
+    match found {
+        Some(index) if !ambiguous => config
+            .access
+            .api_keys()
+            .nth(index)
+            .map(Tenant::of_key)
+            .ok_or_else(|| "no configured API key".to_string()),
+        Some(_) => Err(
+            "the user name and the password of the HTTP Basic credentials are two different \
+             API keys"
+                .into(),
+        ),
+        None => Err(
+            "the HTTP Basic credentials hold no configured API key (send it as the user name \
+             or the password)"
+                .into(),
+        ),
+    }
+}
+
+/// Whether `given` is one of `keys`.
+fn key_matches<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> bool {
+    matching_key(keys, given).is_some()
+}
+
+/// The position of `given` among `keys`. Every key is compared in full, without an early
+/// exit on the first differing byte or on a match, so timing does not reveal how much of a
+/// key was right, nor which one.
+fn matching_key<'a>(keys: impl Iterator<Item = &'a str>, given: &str) -> Option<usize> {
+    let mut found = None;
+    for (position, key) in keys.enumerate() {
         let (a, b) = (key.as_bytes(), given.as_bytes());
         let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
         for (i, x) in a.iter().enumerate() {
             diff |= x ^ b.get(i).copied().unwrap_or(0);
         }
-        ok |= diff == 0;
+        if diff == 0 && found.is_none() {
+            found = Some(position);
+        }
     }
-    ok
+    found
 }
 
 /// The end user of a request: a JWT's `sub`, or the one an API-key caller names
@@ -254,6 +408,9 @@ pub(crate) struct Caller {
     pub(crate) user: Option<String>,
     /// Set when `user` comes from a verified JWT: nothing in the request may change it.
     pub(crate) authoritative: bool,
+    /// The tenant whose shared files (skills, agent files) the request may read; `None`
+    /// (a route outside the auth layer): none.
+    pub(crate) tenant: Option<String>,
 }
 
 impl Caller {
@@ -275,10 +432,12 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = AppError;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let tenant = parts.extensions.get::<Tenant>().map(|t| t.0.clone());
         if let Some(JwtUser(user)) = parts.extensions.get::<JwtUser>() {
             return Ok(Caller {
                 user: Some(user.clone()),
                 authoritative: true,
+                tenant,
             });
         }
         let header_user = parts
@@ -304,6 +463,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
         Ok(Caller {
             user: header_user.or(query_user),
             authoritative: false,
+            tenant,
         })
     }
 }
@@ -355,6 +515,93 @@ mod tests {
         assert!(!key_matches(keys.iter().copied(), "secretx"));
         assert!(!key_matches(keys.iter().copied(), ""));
         assert!(!key_matches(std::iter::empty(), ""));
+    }
+
+    fn two_keys() -> crate::config::Config {
+        let mut config = crate::config::Config::for_tests("/tmp".into(), "t");
+        config.access.api_key = vec!["key-one".into(), " key-two ".into()];
+        config
+    }
+
+    fn basic(credentials: &[u8]) -> HeaderMap {
+        let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            format!("Basic {encoded}").parse().unwrap(),
+        );
+        h
+    }
+
+    fn basic_tenant(config: &crate::config::Config, h: &HeaderMap) -> Result<Tenant, String> {
+        let credentials = basic_credentials(h).expect("Basic")?;
+        basic_key(config, &credentials)
+    }
+
+    #[test]
+    fn basic_credentials_carry_the_key_in_any_part() {
+        let config = two_keys();
+        let one = Tenant::of_key("key-one");
+        // node-fetch 2 (`key@`), axios (`key:`), a password (`:key`), a user and a password.
+        for sent in [
+            &b"key-one"[..],
+            b"key-one:",
+            b":key-one",
+            b"librechat:key-one",
+        ] {
+            let h = basic(sent);
+            assert_eq!(basic_tenant(&config, &h), Ok(one.clone()), "{sent:?}");
+        }
+        assert_eq!(
+            basic_tenant(&config, &basic(b"key-two:")),
+            Ok(Tenant::of_key("key-two"))
+        );
+        assert_ne!(one, Tenant::of_key("key-two"), "each key is its own tenant");
+        // Without padding, and with the scheme in any case.
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, "basic a2V5LW9uZTo".parse().unwrap());
+        assert_eq!(basic_tenant(&config, &h), Ok(one));
+    }
+
+    #[test]
+    fn bad_basic_credentials_say_why() {
+        let config = two_keys();
+        let why = |h: HeaderMap| basic_tenant(&config, &h).expect_err("refused");
+        assert!(why(basic(b"wrong")).contains("no configured API key"));
+        assert!(why(basic(b"user:wrong")).contains("no configured API key"));
+        assert!(why(basic(b"key-one:key-two")).contains("two different"));
+        assert!(why(basic(b"")).contains("empty"));
+        assert!(why(basic(b":")).contains("empty"));
+        assert!(why(basic(b"\xff\xfe")).contains("UTF-8"));
+        let header = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, v.parse().unwrap());
+            h
+        };
+        assert!(why(header("Basic not*base64")).contains("base64"));
+        assert!(why(header("Basic")).contains("empty"));
+        assert!(why(header(&format!("Basic {}", "A".repeat(5000)))).contains("4096"));
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            axum::http::HeaderValue::from_bytes(b"Basic \xe9t\xe9").unwrap(),
+        );
+        assert!(why(h).contains("base64"));
+        // Other schemes are not Basic.
+        assert!(basic_credentials(&header("Bearer key-one")).is_none());
+        assert!(basic_credentials(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn tenants_of_jwts_and_keys_never_meet() {
+        assert_eq!(Tenant::of_jwt(None), Tenant::of_jwt(Some("legacy")));
+        assert_eq!(Tenant::of_jwt(Some("  ")), Tenant::of_jwt(None));
+        assert_ne!(Tenant::of_jwt(Some("t1")), Tenant::of_jwt(Some("t2")));
+        let key = Tenant::of_key("secret");
+        assert!(!key.0.contains("secret"), "the key is never stored");
+        let forged = key.0.trim_start_matches("key:");
+        assert_ne!(Tenant::of_jwt(Some(&key.0)), key);
+        assert_ne!(Tenant::of_jwt(Some(forged)), key);
     }
 
     #[test]
@@ -414,6 +661,8 @@ mod tests {
         assert_eq!(by_jwt.user.as_deref(), Some("carol"));
         assert!(by_jwt.authoritative);
         assert_eq!(by_jwt.user_or(Some("alice")).as_deref(), Some("carol"));
+
+        assert_eq!(by_key.tenant, None, "outside the auth layer: no tenant");
 
         let nobody = Caller::default();
         assert_eq!(nobody.user_or(Some(" bob ")).as_deref(), Some("bob"));

@@ -6,6 +6,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+/// The challenge of a 401 to HTTP Basic credentials.
+pub(crate) const BASIC_CHALLENGE: &str = "Basic realm=\"codebroker\", charset=\"UTF-8\"";
+
 /// Everything a request can fail with. Internal errors are logged in full and shown to
 /// clients only as a generic message.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +21,10 @@ pub(crate) enum AppError {
     Unprocessable(String),
     #[error("missing or invalid credentials")]
     Unauthorized,
+    /// HTTP Basic credentials that carry no key, and why (they never say which key was
+    /// nearly right): 401 with a Basic challenge.
+    #[error("{0}")]
+    BadBasicCredentials(String),
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -48,7 +55,7 @@ impl AppError {
         match self {
             AppError::BadRequest(_) | AppError::UnsupportedLanguage(_) => StatusCode::BAD_REQUEST,
             AppError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            AppError::Unauthorized => StatusCode::UNAUTHORIZED,
+            AppError::Unauthorized | AppError::BadBasicCredentials(_) => StatusCode::UNAUTHORIZED,
             AppError::Forbidden(_) => StatusCode::FORBIDDEN,
             AppError::NotFound(_) => StatusCode::NOT_FOUND,
             AppError::Conflict(_) => StatusCode::CONFLICT,
@@ -65,7 +72,7 @@ impl AppError {
             AppError::BadRequest(_) => "bad_request",
             AppError::UnsupportedLanguage(_) => "unsupported_language",
             AppError::Unprocessable(_) => "invalid_request",
-            AppError::Unauthorized => "unauthorized",
+            AppError::Unauthorized | AppError::BadBasicCredentials(_) => "unauthorized",
             AppError::Forbidden(_) => "forbidden",
             AppError::NotFound(_) => "not_found",
             AppError::Conflict(_) => "conflict",
@@ -103,6 +110,15 @@ impl IntoResponse for AppError {
         let status = self.status();
         let body = self.body();
         let mut response = (status, Json(body)).into_response();
+        // A client that sent Basic credentials is told the scheme and realm again (RFC 9110
+        // asks a 401 for a challenge). Other 401s carry none: a browser shown a Basic
+        // challenge would open a login dialog over the playground.
+        if let AppError::BadBasicCredentials(_) = self {
+            response.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static(BASIC_CHALLENGE),
+            );
+        }
         // The standard header too, for clients that know it rather than the body field.
         if let AppError::RateLimited {
             retry_after_seconds,

@@ -120,6 +120,7 @@ impl ExecBody {
             session_id: self.session_id,
             runtime_session_hint: self.runtime_session_hint,
             entity_id: self.entity_id,
+            tenant: caller.tenant.clone(),
         };
         let input = ExecInput {
             lang,
@@ -127,6 +128,7 @@ impl ExecBody {
             args,
             timeout_ms,
             files,
+            tenant: caller.tenant.clone(),
         };
         Ok((choice, input))
     }

@@ -51,7 +51,7 @@ pub(crate) struct JwtKeys {
 pub(crate) struct Verified {
     /// The end user (`sub`); it decides which sessions and files are visible.
     pub(crate) user: String,
-    /// LibreChat's tenant, when it sends one (logged only).
+    /// LibreChat's tenant, when it sends one: who shares skill and agent files.
     pub(crate) tenant_id: Option<String>,
 }
 
@@ -183,6 +183,14 @@ fn check_claims(claims: Claims, now: u64) -> Result<Verified, String> {
                 ));
             }
         }
+    }
+    let max = crate::http::auth::MAX_TENANT_ID_CHARS;
+    if claims
+        .tenant_id
+        .as_ref()
+        .is_some_and(|t| t.chars().count() > max)
+    {
+        return Err(format!("tenant_id over {max} characters"));
     }
     Ok(Verified {
         user: user.to_string(),
@@ -506,5 +514,18 @@ mod tests {
             JwtKeys::default().verify(&token).is_err(),
             "no keys, no JWTs"
         );
+    }
+
+    #[test]
+    fn tenant_ids_are_optional_and_bounded() {
+        let keys = trusted();
+        let mut c = claims("u");
+        remove(&mut c, "tenant_id");
+        assert_eq!(keys.verify(&ed(&c)).expect("no tenant").tenant_id, None);
+        c["tenant_id"] = json!("t".repeat(256));
+        assert!(keys.verify(&ed(&c)).is_ok());
+        c["tenant_id"] = json!("t".repeat(257));
+        let err = keys.verify(&ed(&c)).expect_err("too long");
+        assert!(err.contains("tenant_id"), "{err}");
     }
 }

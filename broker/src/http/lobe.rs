@@ -11,7 +11,7 @@
 use super::exec::ExecBody;
 use super::{AppState, GatewayJson};
 use crate::config::{AuthMode, Config};
-use crate::http::auth::{key_matches, require_auth, Caller};
+use crate::http::auth::{key_tenant, require_auth, Caller, Tenant};
 use crate::http::error::AppResult;
 use crate::ids::is_valid_id;
 use crate::render::lobe_markdown;
@@ -41,14 +41,14 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
 
 /// Accepts the API key from the plugin settings header; without a matching one, the usual
 /// credentials (`X-API-Key`, `Authorization`) are checked as on every other route.
-async fn lobe_auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
+async fn lobe_auth(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
     let config = &state.broker.config;
     if config.access.auth == AuthMode::None {
+        request.extensions_mut().insert(Tenant::open());
         return next.run(request).await;
     }
-    if settings_key(request.headers())
-        .is_some_and(|key| key_matches(config.access.api_keys(), &key))
-    {
+    if let Some(tenant) = settings_key(request.headers()).and_then(|key| key_tenant(config, &key)) {
+        request.extensions_mut().insert(tenant);
         return next.run(request).await;
     }
     require_auth(State(state), request, next).await

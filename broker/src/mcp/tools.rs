@@ -415,6 +415,7 @@ impl CodeTools {
             args: args.args.unwrap_or_default(),
             timeout_ms: None,
             files: Vec::new(),
+            tenant: caller.tenant.clone(),
         };
         let hooks = ExecHooks {
             cancel: Some(cancel),

@@ -32,6 +32,13 @@ pub(crate) struct SessionMeta {
     pub(crate) runtime_hint: Option<String>,
     /// Milliseconds since the epoch at creation.
     pub(crate) created_ms: u64,
+    /// Set for a session of shared files (a `kind=skill` or `kind=agent` upload, or a
+    /// classic one with `entity_id`): the tenant all of whose callers may read them. `user`
+    /// is then only who uploaded them (and whose storage budget they count in). Nobody
+    /// changes such a session: no exec runs in it, no upload adds to it, no client deletes
+    /// from it; its files expire.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) shared_in: Option<String>,
 }
 
 /// One chat session.
@@ -83,9 +90,24 @@ impl Session {
         &self.meta.id
     }
 
-    /// Whether `user` may see this session (see [`visible`]).
+    /// Whether `user` may see this session (see [`visible`]): use it, run code in it, add
+    /// to it. Never a session of shared files.
     pub(crate) fn visible_to(&self, user: Option<&str>) -> bool {
-        visible(user, self.meta.user.as_deref())
+        !self.is_shared() && visible(user, self.meta.user.as_deref())
+    }
+
+    /// Whether this session holds shared files (see [`SessionMeta::shared_in`]).
+    pub(crate) fn is_shared(&self) -> bool {
+        self.meta.shared_in.is_some()
+    }
+
+    /// Whether a caller naming `user` in `tenant` may read this session's files: a
+    /// session it may see, or one shared in its tenant.
+    pub(crate) fn readable_by(&self, user: Option<&str>, tenant: Option<&str>) -> bool {
+        match self.meta.shared_in.as_deref() {
+            Some(shared_in) => tenant == Some(shared_in),
+            None => visible(user, self.meta.user.as_deref()),
+        }
     }
 
     /// Waits for this session's turn to run.
@@ -200,6 +222,7 @@ mod tests {
             entity_id: None,
             runtime_hint: None,
             created_ms: 0,
+            shared_in: None,
         };
         let workspace = Workspace::new(std::path::Path::new("/nonexistent"), &meta.id);
         Session::new(meta, workspace, FileIndex::default())
@@ -212,6 +235,22 @@ mod tests {
         assert!(!visible(Some("a"), None), "an unnamed caller's session");
         assert!(visible(None, Some("a")), "the key's scope");
         assert!(visible(None, None));
+    }
+
+    #[test]
+    fn shared_sessions_are_read_by_their_tenant_only_and_seen_by_nobody() {
+        let mut session = idle_session();
+        session.meta.user = Some("alice".into());
+        assert!(session.readable_by(Some("alice"), Some("t1")));
+        assert!(session.readable_by(None, None), "the key's scope");
+        session.meta.shared_in = Some("t1".into());
+        assert!(session.is_shared());
+        for user in [Some("alice"), Some("bob"), None] {
+            assert!(session.readable_by(user, Some("t1")), "{user:?}");
+            assert!(!session.readable_by(user, Some("t2")), "{user:?}");
+            assert!(!session.readable_by(user, None), "{user:?}");
+            assert!(!session.visible_to(user), "{user:?}: never written to");
+        }
     }
 
     #[test]

@@ -70,8 +70,12 @@ impl Registry {
         self.by_entity(user, &hint_key(hint))
     }
 
-    /// Registers the affinity keys (entity, hint) of a session.
+    /// Registers the affinity keys (entity, hint) of a session. A session of shared files
+    /// has none: no exec or upload is to find it by its entity.
     fn index_keys(&self, meta: &SessionMeta) {
+        if meta.shared_in.is_some() {
+            return;
+        }
         let user = meta.user.clone().unwrap_or_default();
         if let Some(entity) = &meta.entity_id {
             self.entities
@@ -173,6 +177,7 @@ mod tests {
             entity_id: Some("agent".into()),
             runtime_hint: Some("conv-1".into()),
             created_ms: 1,
+            shared_in: None,
         };
         registry.insert_new(meta, ws).unwrap();
         assert!(registry.by_entity(Some("u1"), "agent").is_some());
@@ -186,5 +191,32 @@ mod tests {
         assert_eq!(session.id(), id);
         assert!(again.get("not-an-id").is_none());
         assert!(again.get(&new_id()).is_none());
+    }
+
+    #[test]
+    fn shared_sessions_have_no_entity_and_stay_shared_after_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = new_id();
+        let registry = Registry::new(tmp.path());
+        let ws = Workspace::new(tmp.path(), &id);
+        std::fs::create_dir_all(ws.files_dir()).unwrap();
+        let meta = SessionMeta {
+            id: id.clone(),
+            user: Some("u1".into()),
+            entity_id: Some("agent".into()),
+            runtime_hint: None,
+            created_ms: 1,
+            shared_in: Some("jwt:t1".into()),
+        };
+        registry.insert_new(meta, ws).unwrap();
+        assert!(registry.by_entity(Some("u1"), "agent").is_none());
+
+        let again = Registry::new(tmp.path());
+        assert_eq!(again.load_all().unwrap(), 1);
+        assert!(again.by_entity(Some("u1"), "agent").is_none());
+        let session = again.get(&id).unwrap();
+        assert_eq!(session.meta.shared_in.as_deref(), Some("jwt:t1"));
+        assert!(!session.visible_to(Some("u1")));
+        assert!(session.readable_by(Some("u2"), Some("jwt:t1")));
     }
 }

@@ -107,7 +107,7 @@ pub(super) fn dir_flags() -> rustix::fs::OFlags {
 }
 
 /// The broker's effective uid.
-pub(super) fn euid() -> u32 {
+pub(crate) fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
 }

@@ -21,7 +21,7 @@ mod fs;
 mod harvest;
 mod index;
 
-pub(crate) use fs::safe_relative_path;
+pub(crate) use fs::{euid, safe_relative_path};
 pub(crate) use harvest::{HarvestLimits, HarvestReport, HarvestSource, MAX_ENTRIES};
 pub(crate) use index::{human_bytes, FileIndex, FileRecord, Origin, Stamp, StorageBudget};
 

@@ -25,9 +25,10 @@ function base64Url(value) {
 /**
  * A token shaped like the ones LibreChat (v0.8.5+) mints for its code API calls:
  * EdDSA, header `kid`, claims iss/aud/sub/iat/nbf/exp/jti/tenant_id (+ role, principal
- * source, context hash, which the broker may ignore).
+ * source, context hash, which the broker may ignore). `tenant_id` decides who shares skill
+ * and agent files.
  */
-export function mintLibreChatJwt({ privateKey, kid = LIBRECHAT_DEFAULT_KID, sub, ttl = 300, iss = 'librechat', aud = 'codeapi' }) {
+export function mintLibreChatJwt({ privateKey, kid = LIBRECHAT_DEFAULT_KID, sub, ttl = 300, iss = 'librechat', aud = 'codeapi', tenant_id = 'legacy' }) {
   const now = Math.floor(Date.now() / 1000);
   const header = { alg: 'EdDSA', typ: 'JWT', kid };
   const claims = {
@@ -38,7 +39,8 @@ export function mintLibreChatJwt({ privateKey, kid = LIBRECHAT_DEFAULT_KID, sub,
     nbf: now,
     exp: now + ttl,
     jti: randomUUID(),
-    tenant_id: 'legacy',
+    // 'legacy': LibreChat's default without a tenant of its own.
+    tenant_id,
     role: 'USER',
     principal_source: 'librechat_jwt',
     auth_context_hash: randomBytes(32).toString('hex'),

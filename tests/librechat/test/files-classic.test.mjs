@@ -149,7 +149,10 @@ _hashes('busy_days.csv', *[n for n in os.listdir('/mnt/data') if n.endswith('.pn
   assert.equal(r.status, 200, show(r));
   assert.equal(r.json.stderr, '', r.json.stderr);
   assert.match(r.json.stdout, /^mean 121\.2\n/);
-  assert.equal(r.json.session_id, S, 'the input refs belong to one session: the exec runs there');
+  // An agent's files (entity_id) are shared read-only (docs/API.md, "Shared files"): the
+  // exec runs in a session of the user's own, where its outputs stay.
+  const X = r.json.session_id;
+  assert.notEqual(X, S, 'the exec ran in the shared upload session');
   const generated = r.json.files.filter((f) => f.inherited !== true);
   const names = generated.map((f) => f.name).sort();
   assert.equal(names.length, 2, JSON.stringify(r.json.files));
@@ -175,13 +178,22 @@ _hashes('busy_days.csv', *[n for n in os.listdir('/mnt/data') if n.endswith('.pn
   }
   assert.ok(hashes['busy_days.csv'], 'the CSV was hashed in the sandbox');
 
-  // The session's listing now has the upload and both outputs.
-  const list = await call(`${broker.v1}/files/${S}?detail=full`, { headers: headers() });
+  // The exec's session lists the input's copy and both outputs; the upload's, the upload.
+  const list = await call(`${broker.v1}/files/${X}?detail=full`, { headers: headers() });
   assert.equal(list.status, 200, show(list));
   const listed = list.json.map((e) => e.metadata?.['original-filename']).sort();
   for (const n of ['busy_days.csv', 'visits.csv', names[1]]) {
     assert.ok(listed.includes(n), `${n} not in ${JSON.stringify(listed)}`);
   }
+  const shared = await call(`${broker.v1}/files/${S}?detail=full`, { headers: headers() });
+  assert.deepEqual(shared.json.map((e) => e.metadata?.['original-filename']), ['visits.csv']);
+  // The next call with the same refs finds the user's session again, variables too.
+  const again = await exec({
+    lang: 'py', entity_id: 'asst_3', files: [{ id: F, session_id: S, name: 'visits.csv' }], code: 'print(len(df))',
+  });
+  assert.equal(again.status, 200, show(again));
+  assert.equal(again.json.session_id, X);
+  assert.equal(again.json.stdout, '5\n');
 });
 
 test('a ref to an unknown file: the exec still runs and stderr names the missing input', async () => {

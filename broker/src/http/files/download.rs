@@ -1,6 +1,6 @@
 //! `GET /download/{session_id}/{file_id}`: a file version's bytes, streamed.
 
-use super::{base_name, visible_record};
+use super::{base_name, readable_record};
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::http::AppState;
@@ -36,7 +36,7 @@ pub(super) async fn download(
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Response> {
-    let (session, record) = visible_record(&state, &caller, &session_id, &file_id)?;
+    let (session, record) = readable_record(&state, &caller, &session_id, &file_id)?;
     // Served from the broker-owned copy of this version: what the sandbox did to the
     // file since cannot change it, and no sandbox path is opened.
     let blob = session.workspace.blob_path(&record.sha256);

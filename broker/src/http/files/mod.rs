@@ -41,25 +41,35 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/download/{session_id}/{file_id}", get(download::download))
 }
 
-/// The session `session_id` if the caller may see it (see [`Broker::visible_session`]).
+/// The session `session_id` if the caller may read it: its own, or one shared in its
+/// tenant (see [`Broker::readable_session`]).
 ///
-/// [`Broker::visible_session`]: crate::core::Broker::visible_session
-fn visible_session(state: &AppState, caller: &Caller, session_id: &str) -> AppResult<Arc<Session>> {
-    Ok(state
-        .broker
-        .visible_session(caller.user.as_deref(), session_id)?)
+/// [`Broker::readable_session`]: crate::core::Broker::readable_session
+fn readable_session(
+    state: &AppState,
+    caller: &Caller,
+    session_id: &str,
+) -> AppResult<Arc<Session>> {
+    Ok(state.broker.readable_session(
+        caller.user.as_deref(),
+        caller.tenant.as_deref(),
+        session_id,
+    )?)
 }
 
-/// The live record of `file_id` in a session the caller may see.
-fn visible_record(
+/// The live record of `file_id` in a session the caller may read.
+fn readable_record(
     state: &AppState,
     caller: &Caller,
     session_id: &str,
     file_id: &str,
 ) -> AppResult<(Arc<Session>, FileRecord)> {
-    Ok(state
-        .broker
-        .visible_record(caller.user.as_deref(), session_id, file_id)?)
+    Ok(state.broker.readable_record(
+        caller.user.as_deref(),
+        caller.tenant.as_deref(),
+        session_id,
+        file_id,
+    )?)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -108,8 +118,9 @@ async fn list_files(
             "invalid session id: {session_id:?}"
         )));
     }
-    // An unknown session (or another user's) is an empty list: clients probe with old ids.
-    let Ok(session) = visible_session(&state, &caller, &session_id) else {
+    // An unknown session (or another user's, or another tenant's) is an empty list:
+    // clients probe with old ids.
+    let Ok(session) = readable_session(&state, &caller, &session_id) else {
         return Ok(Json(json!([])));
     };
     let records: Vec<FileRecord> = session
@@ -154,7 +165,14 @@ async fn list_files(
                     "kind": r.kind,
                     "read_only": r.read_only,
                 }),
-                _ => json!({ "name": format!("{s}/{}", r.id), "lastModified": modified }),
+                // `fileId` (and `id`): what LibreChat's liveness probe looks for
+                // (`checkSessionsAlive`: `data.some(f => f.fileId === ref.file_id)`).
+                _ => json!({
+                    "name": format!("{s}/{}", r.id),
+                    "fileId": r.id,
+                    "id": r.id,
+                    "lastModified": modified,
+                }),
             }
         })
         .collect();
@@ -172,7 +190,7 @@ async fn list_files(
         ("file_id" = String, Path, description = "The file"),
     ),
     responses(
-        (status = 200, description = "`{name, size, contentType, lastModified}`", content_type = "application/json"),
+        (status = 200, description = "`{name, originalFilename, size, contentType, lastModified, readOnly}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::Unauthorized,
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
@@ -183,12 +201,16 @@ async fn object_info(
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Json<Value>> {
-    let (_, record) = visible_record(&state, &caller, &session_id, &file_id)?;
+    let (_, record) = readable_record(&state, &caller, &session_id, &file_id)?;
+    // `originalFilename` is the name LibreChat puts a recovered file at in the sandbox
+    // (`getCodeFileInfo`); `lastModified` decides whether its upload is still fresh.
     Ok(Json(json!({
         "name": record.name,
+        "originalFilename": record.name,
         "size": record.size,
         "contentType": content_type(base_name(&record.name)),
         "lastModified": iso8601(record.created_ms),
+        "readOnly": record.read_only,
     })))
 }
 
@@ -206,6 +228,7 @@ async fn object_info(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::Unauthorized,
+        (status = 403, description = "A shared (skill or agent) file: read-only", body = crate::http::openapi::ErrorBody),
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
@@ -214,7 +237,14 @@ async fn delete_file(
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Json<Value>> {
-    let (session, record) = visible_record(&state, &caller, &session_id, &file_id)?;
+    let (session, record) = readable_record(&state, &caller, &session_id, &file_id)?;
+    if session.is_shared() {
+        return Err(AppError::Forbidden(format!(
+            "file {file_id} is a shared file (a skill's or an agent's): shared files are \
+             read-only for everyone and expire after {} s; upload a new version instead",
+            state.broker.config.file_ttl_secs
+        )));
+    }
     state.broker.delete_file(&session, &file_id).await?;
     state.broker.audit.record(
         "delete",
@@ -245,6 +275,7 @@ async fn delete_file(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
         (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::Unauthorized,
+        (status = 403, description = "A shared (skill or agent) file: read-only", body = crate::http::openapi::ErrorBody),
         (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]

@@ -171,15 +171,27 @@ async fn read_text_field(
         .map_err(|_| AppError::BadRequest(format!("form field {name:?} is not UTF-8")))
 }
 
-/// The session an upload goes to: `session_id` when visible, else the session of
-/// `entity_id`, else a new one (with no sandbox until code runs in it).
+/// The session an upload goes to. Shared files (see [`shares_in_tenant`]) get a new
+/// session of the caller's tenant, each upload its own. Others: `session_id` when visible,
+/// else the session of `entity_id`, else a new one (with no sandbox until code runs in it).
 async fn upload_session(
     state: &AppState,
     user: Option<&str>,
+    tenant: Option<&str>,
     fields: &HashMap<String, String>,
 ) -> AppResult<Arc<Session>> {
     let broker = &state.broker;
     let field = |k: &str| fields.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    if let (true, Some(tenant)) = (shares_in_tenant(fields), tenant) {
+        if let Some(id) = field("session_id").or(field("storage_session_id")) {
+            if !is_valid_id(id) {
+                return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+            }
+        }
+        return Ok(broker
+            .new_shared_session(user, tenant, field("entity_id"))
+            .await?);
+    }
     if let Some(id) = field("session_id").or(field("storage_session_id")) {
         if !is_valid_id(id) {
             return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
@@ -198,6 +210,18 @@ async fn upload_session(
         }
     }
     Ok(broker.new_session(user, field("entity_id"), false).await?)
+}
+
+/// Whether an upload's files are shared in the caller's tenant: `kind` `skill` or `agent`
+/// (LibreChat v0.8.5+: a skill's files, an agent's files), or, without a `kind`, an
+/// `entity_id` (classic LibreChat: an agent's or assistant's files). Chat attachments
+/// (`kind=user`, or neither field) stay the user's.
+fn shares_in_tenant(fields: &HashMap<String, String>) -> bool {
+    let field = |k: &str| fields.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    match field("kind") {
+        Some(kind) => matches!(kind, "skill" | "agent"),
+        None => field("entity_id").is_some(),
+    }
 }
 
 fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
@@ -240,7 +264,13 @@ pub(super) async fn upload(
         ));
     }
     let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
-    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let session = upload_session(
+        &state,
+        user.as_deref(),
+        caller.tenant.as_deref(),
+        &form.fields,
+    )
+    .await?;
     let staged = std::mem::take(&mut form.staged);
     let records = state
         .broker
@@ -285,7 +315,13 @@ pub(super) async fn upload_batch(
         ));
     }
     let user = caller.user_or(form.fields.get("user_id").map(String::as_str));
-    let session = upload_session(&state, user.as_deref(), &form.fields).await?;
+    let session = upload_session(
+        &state,
+        user.as_deref(),
+        caller.tenant.as_deref(),
+        &form.fields,
+    )
+    .await?;
     let staged = std::mem::take(&mut form.staged);
     let records = if staged.is_empty() {
         Vec::new()
@@ -336,4 +372,41 @@ fn observe_upload(state: &AppState, user: Option<&str>, session: &Session, recor
                 .collect::<Vec<_>>(),
         }),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn skills_agents_and_classic_entities_are_shared_chat_files_are_not() {
+        assert!(shares_in_tenant(&fields(&[
+            ("kind", "skill"),
+            ("id", "s1"),
+            ("version", "3")
+        ])));
+        assert!(shares_in_tenant(&fields(&[
+            ("kind", "agent"),
+            ("id", "agent_1")
+        ])));
+        assert!(shares_in_tenant(&fields(&[("entity_id", "asst_1")])));
+        assert!(!shares_in_tenant(&fields(&[
+            ("kind", "user"),
+            ("id", "u1")
+        ])));
+        assert!(!shares_in_tenant(&fields(&[
+            ("kind", "user"),
+            ("entity_id", "asst_1")
+        ])));
+        assert!(!shares_in_tenant(&fields(&[("entity_id", " ")])));
+        assert!(!shares_in_tenant(&fields(&[])));
+        assert!(!shares_in_tenant(&fields(&[("kind", "other")])));
+    }
 }

@@ -316,6 +316,8 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             args: Vec::new(),
             timeout_ms: Some(self.exec_timeout_ms),
             files: Vec::new(),
+            // No input refs, so no shared files to read.
+            tenant: None,
         };
         let hooks = ExecHooks {
             events: Some(events_tx),
