@@ -37,6 +37,17 @@ pub(crate) struct UploadOptions {
     pub(crate) kind: Option<String>,
 }
 
+/// An exec's input ref that is in place in `/mnt/data`: how the client named it, and
+/// where it is.
+#[derive(Debug, Clone)]
+pub(crate) struct PlacedInput {
+    /// The name the ref carried (the file's own name when it carried none): the one
+    /// `deleted_files` reports, since clients match it against the refs they sent.
+    pub(crate) sent_name: String,
+    /// Its path below `/mnt/data`, as the index names it.
+    pub(crate) name: String,
+}
+
 impl Broker {
     /// The staging directory for uploads in flight; on the data volume, so a staged file
     /// moves into its session with a rename.
@@ -189,7 +200,8 @@ impl Broker {
 
     /// Places an exec's input refs in its session (with its turn held): refs to this
     /// session's files must exist; files of other sessions of the same user are copied
-    /// in. Missing inputs are named in `notes`; another user's file is a 403.
+    /// in. Missing inputs are named in `notes`; another user's file is a 403. Returns the
+    /// inputs that are in place.
     ///
     /// The refs were authorised against the caller when the session was chosen
     /// ([`Broker::choose_session`]); this checks the source against the destination's
@@ -200,8 +212,9 @@ impl Broker {
         session: &Arc<Session>,
         files: &[InputFile],
         notes: &mut Vec<String>,
-    ) -> Result<()> {
+    ) -> Result<Vec<PlacedInput>> {
         let mut placed = Vec::new();
+        let mut in_place = Vec::new();
         let budget = self.storage_budget(session);
         for file in files {
             let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
@@ -240,6 +253,10 @@ impl Broker {
                 // Still in place, as this version? Then nothing to do; else restore it.
                 let current = session.index().current(&target_name).cloned();
                 if current.is_some_and(|c| c.sha256 == record.sha256) {
+                    in_place.push(PlacedInput {
+                        sent_name: target,
+                        name: target_name,
+                    });
                     continue;
                 }
             } else {
@@ -277,22 +294,28 @@ impl Broker {
             .await
             .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
             match result {
-                Ok(stamp) => placed.push(FileRecord {
-                    // Restoring a version of this session at its own name keeps its id;
-                    // any other placement is a new file of this session.
-                    id: if Arc::ptr_eq(&source, session) && record.name == target_name {
-                        record.id.clone()
-                    } else {
-                        new_id()
-                    },
-                    name: target_name,
-                    stamp,
-                    current: true,
-                    origin: Origin::Input,
-                    created_ms: now_ms(),
-                    modified_from: None,
-                    ..record
-                }),
+                Ok(stamp) => {
+                    in_place.push(PlacedInput {
+                        sent_name: target,
+                        name: target_name.clone(),
+                    });
+                    placed.push(FileRecord {
+                        // Restoring a version of this session at its own name keeps its id;
+                        // any other placement is a new file of this session.
+                        id: if Arc::ptr_eq(&source, session) && record.name == target_name {
+                            record.id.clone()
+                        } else {
+                            new_id()
+                        },
+                        name: target_name,
+                        stamp,
+                        current: true,
+                        origin: Origin::Input,
+                        created_ms: now_ms(),
+                        modified_from: None,
+                        ..record
+                    })
+                }
                 Err(err) => notes.push(format!("Input file {target:?} could not be placed: {err}")),
             }
         }
@@ -320,7 +343,7 @@ impl Broker {
             save_index(&session.workspace, &index).await?;
             delete_unused_blobs(&session.workspace, &index, unused).await;
         }
-        Ok(())
+        Ok(in_place)
     }
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the
