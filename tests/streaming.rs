@@ -18,12 +18,19 @@ async fn sse_events(resp: reqwest::Response, started: Instant) -> Vec<(String, S
             let block: String = buf.drain(..end + 2).collect();
             let mut name = String::new();
             let mut data = Vec::new();
+            let mut comment = false;
             for line in block.lines() {
                 if let Some(v) = line.strip_prefix("event: ") {
                     name = v.to_string();
                 } else if let Some(v) = line.strip_prefix("data: ") {
                     data.push(v.to_string());
+                } else if line.starts_with(':') {
+                    comment = true;
                 }
+            }
+            // A block of comments only (the keep-alive) is no event: named ":" here.
+            if comment && name.is_empty() && data.is_empty() {
+                name = ":".into();
             }
             events.push((name, data.join("\n"), started.elapsed()));
         }
@@ -342,4 +349,46 @@ async fn print_loop_timings() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn a_silent_exec_gets_keepalives_and_still_ends_with_its_result() {
+    let broker = TestBroker::start_with("keepalive", |c| c.stream_keepalive_secs = 1).await;
+    let code = "import time\ntime.sleep(3.5)\nprint('done')";
+
+    let events = stream(&broker, json!({ "lang": "py", "code": code })).await;
+    let beats: Vec<&Duration> = events
+        .iter()
+        .filter(|(n, d, _)| n == ":" && d.is_empty())
+        .map(|(_, _, at)| at)
+        .collect();
+    assert!(beats.len() >= 2, "{events:?}");
+    let (name, data, _) = events.last().expect("events");
+    assert_eq!(name, "result", "{events:?}");
+    let body: Value = serde_json::from_str(data).expect("result json");
+    assert_eq!(stdout(&body), "done\n", "{body}");
+
+    let text = broker
+        .client
+        .post(broker.url("/exec/stream"))
+        .header("accept", "application/x-ndjson")
+        .json(&json!({ "lang": "py", "code": code }))
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("text");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let heartbeats = lines
+        .iter()
+        .filter(|l| **l == json!({"event": "heartbeat", "data": null}))
+        .count();
+    assert!(heartbeats >= 2, "{text}");
+    let last = lines.last().expect("lines");
+    assert_eq!(last["event"], "result", "{text}");
+    assert_eq!(last["data"]["stdout"], "done\n", "{text}");
 }

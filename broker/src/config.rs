@@ -67,6 +67,18 @@ pub struct Config {
     #[arg(long, env = "CODEBROKER_MAX_DISPLAY_BYTES", default_value = "8MiB", value_parser = parse_size)]
     pub max_display_bytes: u64,
 
+    /// Seconds of silence after which `/exec/stream` sends a keep-alive (an SSE comment, or
+    /// a `{"event":"heartbeat","data":null}` NDJSON line), and again after as many more, so
+    /// that a proxy's idle timeout does not cut a long run that prints nothing. 15 stays
+    /// under the 30 to 60 s such timeouts usually are; lower it behind a stricter proxy.
+    #[arg(
+        long,
+        env = "CODEBROKER_STREAM_KEEPALIVE_SECS",
+        default_value_t = 15,
+        value_parser = clap::value_parser!(u64).range(1..=600)
+    )]
+    pub stream_keepalive_secs: u64,
+
     /// Caps on what callers may take of the host.
     #[command(flatten)]
     pub caps: Caps,

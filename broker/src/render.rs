@@ -2,7 +2,7 @@
 //! the `/exec` JSON answer, LobeChat's markdown, MCP's content blocks, download links and
 //! MIME types. `http/` and `mcp/` both render through here.
 
-use crate::core::{Error, ExecOutput};
+use crate::core::{Delivery, Error, ExecOutput};
 use crate::session::Session;
 use crate::workspace::FileRecord;
 use base64::Engine as _;
@@ -33,7 +33,7 @@ pub(crate) fn output_json(output: &ExecOutput) -> Value {
             file
         })
         .collect();
-    json!({
+    let mut body = json!({
         "session_id": output.session_id,
         "stdout": output.stdout,
         "stderr": output.stderr,
@@ -46,7 +46,33 @@ pub(crate) fn output_json(output: &ExecOutput) -> Value {
         "exit_code": output.exit_code,
         "duration_ms": output.duration_ms,
         "limits": output.limits.iter().map(|l| l.message()).collect::<Vec<_>>(),
-    })
+    });
+    // Both only when there is something to say, as LibreChat's own code server does.
+    if !output.deleted_files.is_empty() {
+        body["deleted_files"] = json!(output.deleted_files);
+    }
+    if let Some(failure) = artifact_delivery(output.delivery) {
+        body["artifact_delivery"] = failure;
+    }
+    body
+}
+
+/// `artifact_delivery` of the `/exec` response when files the exec made were not kept:
+/// `{code: "artifact_delivery_failed", status, attempted, delivered, failed}`, with
+/// `status` `failed` exactly when none was kept, else `partial`. `@librechat/agents`
+/// drops any other shape (a zero `failed`, counts that do not add up), so there is none.
+fn artifact_delivery(delivery: Delivery) -> Option<Value> {
+    if delivery.failed == 0 || delivery.failed > delivery.attempted {
+        return None;
+    }
+    let delivered = delivery.delivered();
+    Some(json!({
+        "code": "artifact_delivery_failed",
+        "status": if delivered == 0 { "failed" } else { "partial" },
+        "attempted": delivery.attempted,
+        "delivered": delivered,
+        "failed": delivery.failed,
+    }))
 }
 
 /// The absolute URL a file version downloads from.
@@ -302,6 +328,8 @@ mod tests {
             duration_ms: 1,
             limits: vec![],
             compile_cached: None,
+            deleted_files: vec![],
+            delivery: Delivery::default(),
         };
         let md = lobe_markdown(&output, "https://x.example/");
         let s = "S".repeat(21);
@@ -318,5 +346,59 @@ mod tests {
             "{md}"
         );
         assert!(md.contains(&format!("session_id: `{s}`")), "{md}");
+    }
+
+    #[test]
+    fn artifact_delivery_holds_the_clients_invariants() {
+        assert_eq!(artifact_delivery(Delivery::default()), None);
+        assert_eq!(
+            artifact_delivery(Delivery {
+                attempted: 3,
+                failed: 0
+            }),
+            None
+        );
+        let partial = artifact_delivery(Delivery {
+            attempted: 3,
+            failed: 2,
+        })
+        .expect("partial");
+        assert_eq!(
+            partial,
+            json!({"code": "artifact_delivery_failed", "status": "partial",
+                   "attempted": 3, "delivered": 1, "failed": 2})
+        );
+        let failed = artifact_delivery(Delivery {
+            attempted: 1,
+            failed: 1,
+        })
+        .expect("failed");
+        assert_eq!(failed["status"], "failed");
+        assert_eq!(failed["delivered"], 0);
+    }
+
+    #[test]
+    fn the_answer_names_deleted_inputs_only_when_there_are_some() {
+        let mut output = crate::core::ExecOutput {
+            session_id: "S".repeat(21),
+            stdout: String::new(),
+            stderr: String::new(),
+            files: vec![],
+            runtime_status: sandbox_runner::RuntimeStatus::New,
+            exit_code: Some(0),
+            duration_ms: 1,
+            limits: vec![],
+            compile_cached: None,
+            deleted_files: vec![],
+            delivery: Delivery::default(),
+        };
+        let quiet = output_json(&output);
+        assert!(quiet.get("deleted_files").is_none(), "{quiet}");
+        assert!(quiet.get("artifact_delivery").is_none(), "{quiet}");
+        output.deleted_files = vec!["data/in.csv".into()];
+        assert_eq!(
+            output_json(&output)["deleted_files"],
+            json!(["data/in.csv"])
+        );
     }
 }

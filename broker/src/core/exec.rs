@@ -2,10 +2,12 @@
 //! the exec itself against the session's sandbox, and the verdict on what it produced.
 
 use crate::core::error::{Error, Result};
+use crate::core::files::PlacedInput;
 use crate::core::{Broker, SessionChoice};
 use crate::sandbox::{docker::short, ChannelError, Sandbox};
+use crate::sandbox::{SandboxBackend, SandboxFiles};
 use crate::session::Session;
-use crate::workspace::{FileRecord, HarvestLimits};
+use crate::workspace::{FileIndex, FileRecord, HarvestLimits};
 use sandbox_runner::{
     Admit, DisplayBudget, ExecRequest, Language, Limit, RuntimeStatus, ToolCall, ToolResult,
     ToolSpec, WorkerMessage,
@@ -85,6 +87,43 @@ pub(crate) struct ExecOutput {
     pub(crate) limits: Vec<Limit>,
     /// For compiled languages, whether the sandbox's compile cache had the program.
     pub(crate) compile_cached: Option<bool>,
+    /// Input refs of this exec whose files the code removed from `/mnt/data`, by the
+    /// names the refs carried: clients drop those refs instead of sending them again.
+    /// Read-only inputs are never among them (they are put back).
+    pub(crate) deleted_files: Vec<String>,
+    /// How many of the files the exec created or changed were kept: clients tell the
+    /// model which ones it cannot count on.
+    pub(crate) delivery: Delivery,
+}
+
+/// Of the files one exec created or changed, how many the broker tried to keep and how
+/// many it could not (over a cap, over the storage budget, an error).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Delivery {
+    /// New or changed files found.
+    pub(crate) attempted: usize,
+    /// Those not kept; the rest are in the exec's `files`.
+    pub(crate) failed: usize,
+}
+
+impl Delivery {
+    /// Those kept.
+    pub(crate) fn delivered(&self) -> usize {
+        self.attempted - self.failed
+    }
+}
+
+/// What collecting an exec's files found.
+#[derive(Debug, Default)]
+pub(crate) struct Collected {
+    /// Versions the exec created or changed, kept.
+    pub(crate) files: Vec<FileRecord>,
+    /// Notes for stderr.
+    pub(crate) notes: Vec<String>,
+    /// Kept against tried.
+    pub(crate) delivery: Delivery,
+    /// Names whose files are gone from `/mnt/data` (read-only ones put back are not).
+    pub(crate) gone: Vec<String>,
 }
 
 /// How an exec ended, read off its output. Every front end words its answer from this
@@ -237,7 +276,8 @@ impl Broker {
         );
         let started = Instant::now();
         let mut notes = Vec::new();
-        self.place_inputs(&session, &input.files, input.tenant.as_deref(), &mut notes)
+        let inputs = self
+            .place_inputs(&session, &input.files, input.tenant.as_deref(), &mut notes)
             .await?;
 
         let sandbox = self.sandbox_for(&session).await?;
@@ -350,6 +390,8 @@ impl Broker {
                 duration_ms: 0,
                 limits: done.limits,
                 compile_cached: done.compile_cached,
+                deleted_files: Vec::new(),
+                delivery: Delivery::default(),
             },
             Ok(Err(err)) => self.sandbox_failed(&session, &sandbox, err, started).await,
             Err(_) => {
@@ -362,7 +404,8 @@ impl Broker {
             }
         };
 
-        self.collect_files(&session, &mut output, notes).await?;
+        self.collect_files(&session, &mut output, notes, &inputs)
+            .await?;
         output.duration_ms = started.elapsed().as_millis() as u64;
         session.exec_done();
         if let Some(cached) = output.compile_cached {
@@ -427,22 +470,26 @@ impl Broker {
         }
     }
 
-    /// Adds the files the exec created or changed to its output, and the notes of input
-    /// placement and harvest to its stderr.
+    /// Adds the files the exec created or changed to its output with how many could not
+    /// be kept, the `inputs` it removed, and the notes of input placement and harvest to
+    /// its stderr.
     async fn collect_files(
         &self,
         session: &Arc<Session>,
         output: &mut ExecOutput,
         mut notes: Vec<String>,
+        inputs: &[PlacedInput],
     ) -> Result<()> {
         let limits = HarvestLimits {
             max_files: self.config.max_output_files,
             max_file_bytes: self.config.max_output_file_mb.saturating_mul(1024 * 1024),
             storage: self.storage_budget(session),
         };
-        let (files, harvest_notes) = self.harvest(session, limits).await?;
-        notes.extend(harvest_notes);
-        output.files = files;
+        let collected = self.harvest(session, limits).await?;
+        notes.extend(collected.notes);
+        output.files = collected.files;
+        output.delivery = collected.delivery;
+        output.deleted_files = deleted_inputs(inputs, &collected.gone);
         for note in notes {
             if !output.stderr.is_empty() && !output.stderr.ends_with('\n') {
                 output.stderr.push('\n');
@@ -482,26 +529,30 @@ impl Broker {
         }
     }
 
-    /// Finds the files the exec created or changed and saves the index.
+    /// Finds the files the exec created or changed, puts back read-only files the code
+    /// removed, and saves the index.
     pub(crate) async fn harvest(
         &self,
         session: &Arc<Session>,
         limits: HarvestLimits,
-    ) -> Result<(Vec<FileRecord>, Vec<String>)> {
+    ) -> Result<Collected> {
         let mut index = session.index().clone();
         let (at, backend) = (session.files(), self.backend.clone());
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
-            let report = backend.harvest(&at, &mut index, limits)?;
-            if !report.files.is_empty() || report.index_changed {
-                workspace.save_index(&index)?;
-            }
-            Ok::<_, std::io::Error>((index, report))
+            let mut report = backend.harvest(&at, &mut index, limits)?;
+            let put_back = put_back_read_only(&*backend, &at, &mut index, &mut report.vanished);
+            let saved = if !report.files.is_empty() || report.index_changed {
+                workspace.save_index(&index)
+            } else {
+                Ok(())
+            };
+            Ok::<_, std::io::Error>((index, report, put_back, saved))
         })
         .await
         .map_err(|e| Error::internal(format!("harvest task failed: {e}")))?;
         match result {
-            Ok((index, mut report)) => {
+            Ok((index, mut report, put_back, Ok(()))) => {
                 // Blobs go only once neither the saved nor the served index names them: a
                 // download of a dropped version is a 404 from then on, never a lost blob.
                 let unused = std::mem::take(&mut report.unused_blobs);
@@ -512,20 +563,92 @@ impl Broker {
                     crate::core::files::delete_unused_blobs(&session.workspace, &index, unused)
                         .await;
                 }
-                Ok((
-                    report.files.into_iter().map(|h| h.record).collect(),
-                    report.notes,
-                ))
+                let delivered = report.files.len();
+                let mut notes = report.notes;
+                notes.extend(put_back.iter().map(|name| {
+                    format!("{name} is a read-only upload; it was put back in /mnt/data")
+                }));
+                Ok(Collected {
+                    files: report.files.into_iter().map(|h| h.record).collect(),
+                    notes,
+                    delivery: Delivery {
+                        attempted: delivered + report.not_kept,
+                        failed: report.not_kept,
+                    },
+                    gone: report.vanished.into_iter().map(|r| r.name).collect(),
+                })
+            }
+            Ok((_, report, _, Err(err))) => {
+                // Nothing of this harvest is recorded: none of its files can be served.
+                tracing::error!(session = session.id(), error = %err, "cannot save the file index after a harvest");
+                let mut blobs = report.unused_blobs;
+                blobs.extend(report.files.iter().map(|h| h.record.sha256.clone()));
+                let index = session.index().clone();
+                crate::core::files::delete_unused_blobs(&session.workspace, &index, blobs).await;
+                let attempted = report.files.len() + report.not_kept;
+                Ok(Collected {
+                    notes: vec!["Generated files could not be recorded".into()],
+                    delivery: Delivery {
+                        attempted,
+                        failed: attempted,
+                    },
+                    gone: report.vanished.into_iter().map(|r| r.name).collect(),
+                    ..Collected::default()
+                })
             }
             Err(err) => {
                 tracing::error!(session = session.id(), error = %err, "harvest failed");
-                Ok((
-                    Vec::new(),
-                    vec!["Generated files could not be collected".into()],
-                ))
+                Ok(Collected {
+                    notes: vec!["Generated files could not be collected".into()],
+                    ..Collected::default()
+                })
             }
         }
     }
+}
+
+/// Places the read-only versions among `vanished` back at their names (read-only files
+/// stay as uploaded: the code cannot remove them when the broker's uid is not the
+/// sandbox's, and this keeps it so when it is, or when files move through the runner).
+/// Those placed back leave `vanished`; returns their names.
+fn put_back_read_only(
+    backend: &dyn SandboxBackend,
+    at: &SandboxFiles,
+    index: &mut FileIndex,
+    vanished: &mut Vec<FileRecord>,
+) -> Vec<String> {
+    let mut put_back = Vec::new();
+    vanished.retain(|record| {
+        if !record.read_only {
+            return true;
+        }
+        let blob = at.workspace.blob_path(&record.sha256);
+        match backend.place_file(at, &blob, std::path::Path::new(&record.name), true) {
+            Ok(stamp) if index.reinstate(&record.id, stamp) => {
+                put_back.push(record.name.clone());
+                false
+            }
+            Ok(_) => true,
+            Err(err) => {
+                tracing::warn!(file = %record.name, error = %err, "cannot put a read-only file back");
+                true
+            }
+        }
+    });
+    put_back
+}
+
+/// The names, as their refs carried them, of the `inputs` whose files are `gone`, each
+/// once, in the order of the refs.
+fn deleted_inputs(inputs: &[PlacedInput], gone: &[String]) -> Vec<String> {
+    let gone: std::collections::HashSet<&str> = gone.iter().map(String::as_str).collect();
+    let mut seen = std::collections::HashSet::new();
+    inputs
+        .iter()
+        .filter(|input| gone.contains(input.name.as_str()))
+        .filter(|input| seen.insert(input.sent_name.as_str()))
+        .map(|input| input.sent_name.clone())
+        .collect()
 }
 
 /// Receives from an optional channel; never resolves without one.
@@ -547,6 +670,8 @@ fn failed_output(session: &Session, message: &str, limits: Vec<Limit>) -> ExecOu
         duration_ms: 0,
         limits,
         compile_cached: None,
+        deleted_files: Vec::new(),
+        delivery: Delivery::default(),
     }
 }
 

@@ -37,6 +37,17 @@ pub(crate) struct UploadOptions {
     pub(crate) kind: Option<String>,
 }
 
+/// An exec's input ref that is in place in `/mnt/data`: how the client named it, and
+/// where it is.
+#[derive(Debug, Clone)]
+pub(crate) struct PlacedInput {
+    /// The name the ref carried (the file's own name when it carried none): the one
+    /// `deleted_files` reports, since clients match it against the refs they sent.
+    pub(crate) sent_name: String,
+    /// Its path below `/mnt/data`, as the index names it.
+    pub(crate) name: String,
+}
+
 impl Broker {
     /// The staging directory for uploads in flight; on the data volume, so a staged file
     /// moves into its session with a rename.
@@ -193,7 +204,7 @@ impl Broker {
     /// session's files must exist; files of other sessions of the same user are copied
     /// in, and so are shared files of the caller's `tenant`, read-only. Missing inputs are
     /// named in `notes`, and so are shared files of another tenant, as if they did not
-    /// exist; another user's file is a 403.
+    /// exist; another user's file is a 403. Returns the inputs that are in place.
     ///
     /// The refs were authorised against the caller when the session was chosen
     /// ([`Broker::choose_session`]); this checks the source against the destination's
@@ -206,8 +217,9 @@ impl Broker {
         files: &[InputFile],
         tenant: Option<&str>,
         notes: &mut Vec<String>,
-    ) -> Result<()> {
+    ) -> Result<Vec<PlacedInput>> {
         let mut placed = Vec::new();
+        let mut in_place = Vec::new();
         let budget = self.storage_budget(session);
         for file in files {
             let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
@@ -259,6 +271,10 @@ impl Broker {
             if Arc::ptr_eq(&source, session) {
                 // Still in place, as this version? Then nothing to do; else restore it.
                 if same_bytes.is_some() {
+                    in_place.push(PlacedInput {
+                        sent_name: target,
+                        name: target_name,
+                    });
                     continue;
                 }
             } else if same_bytes.is_some()
@@ -268,6 +284,10 @@ impl Broker {
             {
                 // A shared file copied in at an earlier exec, which the code cannot have
                 // changed: a skill's files come with every call, and are not written again.
+                in_place.push(PlacedInput {
+                    sent_name: target,
+                    name: target_name,
+                });
                 continue;
             } else if same_bytes.is_none() {
                 // A copy from another session is a new version of this one: budgeted.
@@ -304,27 +324,33 @@ impl Broker {
             .await
             .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
             match result {
-                Ok(stamp) => placed.push(FileRecord {
-                    // Restoring a version of this session at its own name keeps its id;
-                    // so does a copy of the bytes this session already has at the name
-                    // (a skill's files, copied again at every exec, are written afresh
-                    // but not recorded again); any other placement is a new file of this
-                    // session.
-                    id: if Arc::ptr_eq(&source, session) && record.name == target_name {
-                        record.id.clone()
-                    } else if let Some(id) = same_bytes {
-                        id
-                    } else {
-                        new_id()
-                    },
-                    name: target_name,
-                    stamp,
-                    current: true,
-                    origin: Origin::Input,
-                    created_ms: now_ms(),
-                    modified_from: None,
-                    ..record
-                }),
+                Ok(stamp) => {
+                    in_place.push(PlacedInput {
+                        sent_name: target,
+                        name: target_name.clone(),
+                    });
+                    placed.push(FileRecord {
+                        // Restoring a version of this session at its own name keeps its id;
+                        // so does a copy of the bytes this session already has at the name
+                        // (a skill's files, copied again at every exec, are written afresh
+                        // but not recorded again); any other placement is a new file of
+                        // this session.
+                        id: if Arc::ptr_eq(&source, session) && record.name == target_name {
+                            record.id.clone()
+                        } else if let Some(id) = same_bytes {
+                            id
+                        } else {
+                            new_id()
+                        },
+                        name: target_name,
+                        stamp,
+                        current: true,
+                        origin: Origin::Input,
+                        created_ms: now_ms(),
+                        modified_from: None,
+                        ..record
+                    })
+                }
                 Err(err) => notes.push(format!("Input file {target:?} could not be placed: {err}")),
             }
         }
@@ -352,7 +378,7 @@ impl Broker {
             save_index(&session.workspace, &index).await?;
             delete_unused_blobs(&session.workspace, &index, unused).await;
         }
-        Ok(())
+        Ok(in_place)
     }
 
     /// Whether a read-only file placed in a workspace stays as placed whatever the code

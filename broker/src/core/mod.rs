@@ -13,7 +13,9 @@ mod sandboxes;
 pub(crate) mod sessions;
 
 pub(crate) use error::{Error, Result};
-pub(crate) use exec::{ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict};
+pub(crate) use exec::{
+    Delivery, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict,
+};
 pub(crate) use sessions::SessionChoice;
 
 use crate::config::Config;

@@ -10,12 +10,18 @@ use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
+use futures::StreamExt as _;
 use sandbox_runner::{DisplayData, Language, Stream, WorkerMessage};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::future::Future as _;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -208,28 +214,116 @@ fn keepalive_response(run: ExecRun) -> Response {
         .into_response()
 }
 
-/// One event of a streamed exec, as SSE (`event:` name, `data:` payload) or NDJSON
-/// (`{"event", "data"}` per line).
-fn stream_event(name: &str, data: Value, ndjson: bool) -> Result<Bytes, std::convert::Infallible> {
-    let text = if ndjson {
-        let mut line = json!({ "event": name, "data": data }).to_string();
-        line.push('\n');
-        line
-    } else {
-        let payload = match &data {
-            Value::String(s) => s.clone(),
+/// One event of a streamed exec: its name (`stdout`, `stderr`, `display`, `result`,
+/// `error`) and its payload.
+#[derive(Debug)]
+struct StreamEvent {
+    name: &'static str,
+    data: Value,
+}
+
+/// The NDJSON line a silent stream sends to keep proxies from cutting it: an event every
+/// client dispatching on `event` passes over, as it does the ones it does not know.
+const NDJSON_HEARTBEAT: &[u8] = b"{\"event\":\"heartbeat\",\"data\":null}\n";
+
+/// The text of the SSE comment a silent stream sends (`: keep-alive`).
+const SSE_KEEPALIVE: &str = "keep-alive";
+
+impl StreamEvent {
+    /// As SSE: `event:` the name, `data:` the payload (a string as is, JSON otherwise),
+    /// one `data:` line per line. SSE cannot carry a carriage return (it ends a line
+    /// there): `\r\n` and a lone `\r` become line breaks.
+    fn sse(self) -> Event {
+        let payload = match self.data {
+            Value::String(s) => s,
             other => other.to_string(),
         };
-        let mut out = format!("event: {name}\n");
-        for line in payload.split('\n') {
-            out.push_str("data: ");
-            out.push_str(line);
-            out.push('\n');
+        let payload = if payload.contains('\r') {
+            payload.replace("\r\n", "\n").replace('\r', "\n")
+        } else {
+            payload
+        };
+        Event::default().event(self.name).data(payload)
+    }
+
+    /// As one NDJSON line, `{"event", "data"}`.
+    fn ndjson(self) -> Bytes {
+        let mut line = json!({ "event": self.name, "data": self.data }).to_string();
+        line.push('\n');
+        Bytes::from(line)
+    }
+}
+
+/// `events` as `text/event-stream`, with an SSE comment after every `keepalive` of
+/// silence.
+fn sse_response(
+    events: impl futures::Stream<Item = StreamEvent> + Send + 'static,
+    keepalive: Duration,
+) -> Response {
+    let events = events.map(|e| Ok::<_, Infallible>(e.sse()));
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(keepalive).text(SSE_KEEPALIVE))
+        .into_response()
+}
+
+/// `events` as NDJSON, with a heartbeat line after every `keepalive` of silence.
+fn ndjson_response(
+    events: impl futures::Stream<Item = StreamEvent> + Send + 'static,
+    keepalive: Duration,
+) -> Response {
+    let lines = Heartbeat::new(events.map(StreamEvent::ndjson), keepalive, || {
+        Bytes::from_static(NDJSON_HEARTBEAT)
+    });
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(lines.map(Ok::<_, Infallible>)),
+    )
+        .into_response()
+}
+
+/// A stream that yields `beat()` whenever `inner` has yielded nothing for `every`, and
+/// ends with it (what `KeepAlive` does for SSE, for any item type).
+struct Heartbeat<S, F> {
+    inner: Pin<Box<S>>,
+    /// Fires `every` after the last item or beat.
+    timer: Pin<Box<tokio::time::Sleep>>,
+    every: Duration,
+    beat: F,
+}
+
+impl<S, F> Heartbeat<S, F> {
+    fn new(inner: S, every: Duration, beat: F) -> Self {
+        Heartbeat {
+            inner: Box::pin(inner),
+            timer: Box::pin(tokio::time::sleep(every)),
+            every,
+            beat,
         }
-        out.push('\n');
-        out
-    };
-    Ok(Bytes::from(text))
+    }
+}
+
+impl<S: futures::Stream, F: Fn() -> S::Item + Unpin> futures::Stream for Heartbeat<S, F> {
+    type Item = S::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
+        let this = &mut *self;
+        let item = match this.inner.as_mut().poll_next(cx) {
+            Poll::Ready(item) => item,
+            Poll::Pending => {
+                std::task::ready!(this.timer.as_mut().poll(cx));
+                Some((this.beat)())
+            }
+        };
+        if item.is_some() {
+            let next = tokio::time::Instant::now() + this.every;
+            this.timer.as_mut().reset(next);
+        }
+        Poll::Ready(item)
+    }
 }
 
 /// Largest image a `display` event carries inline.
@@ -269,8 +363,10 @@ fn display_json(
 
 /// `POST /exec/stream`: the `/exec` request answered as `text/event-stream` (or NDJSON
 /// with `Accept: application/x-ndjson`): `stdout`/`stderr` chunks as the code writes
-/// them, `display` for figures, and a final `result` with the `/exec` response. A client
-/// that disconnects stops the exec; the session stays usable.
+/// them, `display` for figures, and a final `result` with the `/exec` response; after
+/// each `CODEBROKER_STREAM_KEEPALIVE_SECS` of silence an SSE comment (NDJSON: a
+/// `heartbeat` event), so proxies do not cut a quiet run. A client that disconnects
+/// stops the exec; the session stays usable.
 #[utoipa::path(
     post,
     path = "/exec/stream",
@@ -278,7 +374,7 @@ fn display_json(
     security(("api_key" = []), ("bearer" = [])),
     request_body = ExecBody,
     responses(
-        (status = 200, description = "`stdout`, `stderr`, `display` events, then `result` (the /exec response) or `error` (the error envelope); NDJSON lines `{event, data}` with `Accept: application/x-ndjson`", content_type = "text/event-stream"),
+        (status = 200, description = "`stdout`, `stderr`, `display` events, then `result` (the /exec response) or `error` (the error envelope); NDJSON lines `{event, data}` with `Accept: application/x-ndjson`; a `: keep-alive` comment (NDJSON: `{\"event\":\"heartbeat\",\"data\":null}`) after each CODEBROKER_STREAM_KEEPALIVE_SECS (15) of silence", content_type = "text/event-stream"),
         (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::Unauthorized,
         crate::http::openapi::WrongShape,
@@ -297,6 +393,7 @@ async fn exec_stream(
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let (choice, input) = body.into_parts(&caller)?;
     let inline_left = state.broker.config.max_display_bytes;
+    let keepalive = Duration::from_secs(state.broker.config.stream_keepalive_secs);
     let (tx, rx) = mpsc::channel(STREAM_QUEUE);
     let cancel = CancellationToken::new();
     let hooks = ExecHooks {
@@ -329,7 +426,7 @@ async fn exec_stream(
         backend: state.broker.backend.clone(),
         inline_left,
     };
-    let stream = futures::stream::unfold(state, move |mut st| async move {
+    let events = futures::stream::unfold(state, move |mut st| async move {
         if let Some(msg) = st.rx.recv().await {
             let event = match msg {
                 WorkerMessage::Output(chunk) => {
@@ -337,7 +434,10 @@ async fn exec_stream(
                         Stream::Stdout => "stdout",
                         Stream::Stderr => "stderr",
                     };
-                    stream_event(name, Value::String(chunk.data), ndjson)
+                    StreamEvent {
+                        name,
+                        data: Value::String(chunk.data),
+                    }
                 }
                 WorkerMessage::Display(display) => {
                     let at = st.files_of.files();
@@ -349,9 +449,15 @@ async fn exec_stream(
                     .await
                     .unwrap_or((Value::Null, left));
                     st.inline_left = left;
-                    stream_event("display", data, ndjson)
+                    StreamEvent {
+                        name: "display",
+                        data,
+                    }
                 }
-                _ => stream_event("ignored", Value::Null, ndjson),
+                _ => StreamEvent {
+                    name: "ignored",
+                    data: Value::Null,
+                },
             };
             return Some((event, st));
         }
@@ -360,20 +466,117 @@ async fn exec_stream(
             Ok(output) => ("result", output_json(&output)),
             Err(err) => ("error", AppError::from(err).body()),
         };
-        Some((stream_event(name, data, ndjson), st))
+        Some((StreamEvent { name, data }, st))
     });
-    let content_type = if ndjson {
-        "application/x-ndjson"
+    Ok(if ndjson {
+        ndjson_response(events, keepalive)
     } else {
-        "text/event-stream"
-    };
-    Ok((
-        StatusCode::OK,
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(stream),
-    )
-        .into_response())
+        sse_response(events, keepalive)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::channel::mpsc::{unbounded, UnboundedSender};
+    use http_body_util::BodyExt;
+    use tokio::time::Instant;
+
+    const EVERY: Duration = Duration::from_secs(15);
+
+    /// The events a test stream is fed from.
+    type Events = futures::channel::mpsc::UnboundedReceiver<StreamEvent>;
+
+    /// The next chunk of `body` as text, and how long (paused) time it took to come;
+    /// `None` at the end.
+    async fn next_chunk(body: &mut Body) -> Option<(String, Duration)> {
+        let started = Instant::now();
+        let frame = body.frame().await?.expect("frame");
+        let data = frame.into_data().expect("a data frame");
+        Some((
+            String::from_utf8(data.to_vec()).expect("utf-8"),
+            started.elapsed(),
+        ))
+    }
+
+    fn stdout(tx: &UnboundedSender<StreamEvent>, text: &str) {
+        tx.unbounded_send(StreamEvent {
+            name: "stdout",
+            data: json!(text),
+        })
+        .expect("send");
+    }
+
+    /// Each silence of `EVERY` gets one keep-alive, counted from the last thing sent;
+    /// events still come through as they are, and the stream ends when they do.
+    async fn beats_on_silence(make: fn(Events, Duration) -> Response, beat: &str, first: &str) {
+        let (tx, rx) = unbounded();
+        let mut body = make(rx, EVERY).into_body();
+        stdout(&tx, "step 1\n");
+        let (text, waited) = next_chunk(&mut body).await.expect("the event");
+        assert_eq!((text.as_str(), waited), (first, Duration::ZERO));
+        for _ in 0..2 {
+            let (text, waited) = next_chunk(&mut body).await.expect("a beat");
+            assert_eq!((text.as_str(), waited), (beat, EVERY));
+        }
+        // Output 10 s into a silence: the next beat is 15 s after it, not 5.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        stdout(&tx, "step 1\n");
+        let (text, _) = next_chunk(&mut body).await.expect("the event");
+        assert_eq!(text, first);
+        let (text, waited) = next_chunk(&mut body).await.expect("a beat");
+        assert_eq!((text.as_str(), waited), (beat, EVERY));
+        drop(tx);
+        assert_eq!(next_chunk(&mut body).await, None, "ends with the events");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_sse_stream_gets_a_comment_every_interval() {
+        beats_on_silence(
+            sse_response,
+            ": keep-alive\n\n",
+            "event: stdout\ndata: step 1\ndata: \n\n",
+        )
+        .await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_ndjson_stream_gets_a_heartbeat_line_every_interval() {
+        beats_on_silence(
+            ndjson_response,
+            "{\"event\":\"heartbeat\",\"data\":null}\n",
+            "{\"data\":\"step 1\\n\",\"event\":\"stdout\"}\n",
+        )
+        .await;
+    }
+
+    #[test]
+    fn sse_turns_carriage_returns_into_line_breaks() {
+        let event = |data: &str| {
+            StreamEvent {
+                name: "stdout",
+                data: json!(data),
+            }
+            .sse()
+        };
+        let bytes = |e: Event| {
+            let body = Sse::new(futures::stream::iter([Ok::<_, Infallible>(e)])).into_response();
+            futures::executor::block_on(body.into_body().collect())
+                .expect("body")
+                .to_bytes()
+        };
+        assert_eq!(
+            bytes(event("a\r\nb\rc\n")),
+            "event: stdout\ndata: a\ndata: b\ndata: c\ndata: \n\n"
+        );
+        let result = StreamEvent {
+            name: "result",
+            data: json!({"stdout": "x\r\n"}),
+        };
+        assert_eq!(
+            bytes(result.sse()),
+            "event: result\ndata: {\"stdout\":\"x\\r\\n\"}\n\n",
+            "JSON escapes its own carriage returns"
+        );
+    }
 }

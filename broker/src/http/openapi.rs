@@ -100,6 +100,27 @@ pub(crate) struct ExecResponseDoc {
     pub(crate) duration_ms: u64,
     /// The limits hit, in LibreChat's words (`Time limit exceeded`, ...).
     pub(crate) limits: Vec<String>,
+    /// Inputs of this call the code removed, by the names their refs carried; only when
+    /// there are some (read-only inputs never).
+    pub(crate) deleted_files: Option<Vec<String>>,
+    /// Only when files the call made were not kept (a cap, the storage budget, an error).
+    pub(crate) artifact_delivery: Option<ArtifactDeliveryDoc>,
+}
+
+/// Generated files that could not be kept, as `@librechat/agents` reads it.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct ArtifactDeliveryDoc {
+    /// Always `artifact_delivery_failed`.
+    pub(crate) code: String,
+    /// `failed` when none was kept, else `partial`.
+    pub(crate) status: String,
+    /// New or changed files found: `delivered + failed`.
+    pub(crate) attempted: u64,
+    /// Those in `files`.
+    pub(crate) delivered: u64,
+    /// Those not kept; at least 1.
+    pub(crate) failed: u64,
 }
 
 /// A multipart upload (`/upload`, `/upload/batch`).
@@ -154,7 +175,13 @@ pub(crate) struct UploadFormDoc {
         super::playground::page,
         super::playground::asset,
     ),
-    components(schemas(ErrorBody, ExecResponseDoc, ExecFileDoc, UploadFormDoc)),
+    components(schemas(
+        ErrorBody,
+        ExecResponseDoc,
+        ExecFileDoc,
+        ArtifactDeliveryDoc,
+        UploadFormDoc
+    )),
     modifiers(&SecuritySchemes),
 )]
 pub(crate) struct ApiDoc;

@@ -579,6 +579,8 @@ mod tests {
             duration_ms: 1,
             limits,
             compile_cached: None,
+            deleted_files: vec![],
+            delivery: Default::default(),
         }
     }
 
@@ -597,5 +599,19 @@ mod tests {
         let x = final_json(&output(None, vec![]));
         assert_eq!(x["error"], "Execution failed or timed out");
         assert_eq!(x["stderr"], "err");
+    }
+
+    #[test]
+    fn the_final_answer_carries_deleted_files_and_artifact_delivery() {
+        let mut done = output(Some(0), vec![]);
+        done.deleted_files = vec!["input.txt".into()];
+        done.delivery = crate::core::Delivery {
+            attempted: 2,
+            failed: 2,
+        };
+        let body = final_json(&done);
+        assert_eq!(body["status"], "completed");
+        assert_eq!(body["deleted_files"], serde_json::json!(["input.txt"]));
+        assert_eq!(body["artifact_delivery"]["status"], "failed");
     }
 }

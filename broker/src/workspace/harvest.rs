@@ -10,7 +10,8 @@ use crate::clock::now_ms;
 use crate::ids::new_id;
 use cap_fs_ext::DirExt;
 use cap_std::fs::{Dir, MetadataExt};
-use std::collections::HashMap;
+use sandbox_runner::files::is_listed_name;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::path::Path;
 
@@ -41,6 +42,16 @@ pub(crate) struct HarvestReport {
     /// Blobs to delete once the index is saved: those of dropped versions, and of new
     /// versions that were not kept. The caller checks each is still unused.
     pub(crate) unused_blobs: Vec<String>,
+    /// New or changed files this harvest found but did not keep (over the file cap, the
+    /// size cap or the storage budget, or unreadable): with `files`, what clients are
+    /// told could not be delivered. Files left out unchanged since the last harvest said
+    /// so are not counted again.
+    pub(crate) not_kept: usize,
+    /// Current versions whose files are gone from `/mnt/data` (the code deleted, moved
+    /// or replaced them), by name; the index no longer has them as current, so a later
+    /// input ref to one places it again. Empty when the walk stopped at [`MAX_ENTRIES`]
+    /// (what it did not see is not taken for gone).
+    pub(crate) vanished: Vec<FileRecord>,
 }
 
 /// Caps on what one harvest reports.
@@ -156,11 +167,16 @@ impl Workspace {
             ));
         }
         found.sort_by(|a, b| a.0.cmp(&b.0));
+        if !truncated {
+            report.vanished = retire_vanished(index, &found);
+            report.index_changed |= !report.vanished.is_empty();
+        }
         let now = now_ms();
         let room = limits.storage.room;
         let mut left_out = 0usize;
         let mut oversize = LeftOut::default();
         let mut refused = LeftOut::default();
+        let mut unreadable = LeftOut::default();
         let (mut dropped, mut dropped_bytes) = (0usize, 0u64);
         // Files noted this time; those noted last time and unchanged since are passed over
         // without a word.
@@ -227,8 +243,12 @@ impl Workspace {
                     noted.insert(key, stamp);
                     continue;
                 }
-                // Gone or swapped for something that is not a regular file: skip it.
-                Err(_) => continue,
+                // Gone or swapped for something that is not a regular file, or refused by
+                // the runner: not kept, and looked at again next time.
+                Err(_) => {
+                    unreadable.add(&name);
+                    continue;
+                }
             };
             if let Some(prev) = &previous {
                 if prev.sha256 == sha256 {
@@ -273,6 +293,7 @@ impl Workspace {
             report.files.push(Harvested { record });
         }
         index.noted = noted;
+        report.not_kept = oversize.count + left_out + refused.count + unreadable.count;
         // One line per reason, each bounded whatever the number of files: a flood of
         // files must not flood stderr too.
         if oversize.count > 0 {
@@ -282,6 +303,14 @@ impl Workspace {
                 human_bytes(limits.max_file_bytes),
                 if oversize.count == 1 { "was" } else { "were" },
                 oversize.list()
+            ));
+        }
+        if unreadable.count > 0 {
+            report.notes.push(format!(
+                "{} could not be read and {} left out of the generated files: {}",
+                unreadable.files(),
+                if unreadable.count == 1 { "was" } else { "were" },
+                unreadable.list()
             ));
         }
         if left_out > 0 {
@@ -324,6 +353,20 @@ impl Workspace {
         }
         Ok(report)
     }
+}
+
+/// Retires the current versions of `index` whose files are not among `found` (the whole
+/// listing), and returns them sorted by name. Names a listing never reports (hidden,
+/// cache directories, too deep) are not taken for gone.
+fn retire_vanished(index: &mut FileIndex, found: &[(String, Stamp)]) -> Vec<FileRecord> {
+    let present: HashSet<&str> = found.iter().map(|(name, _)| name.as_str()).collect();
+    let mut gone: Vec<String> = index
+        .current_records()
+        .filter(|r| is_listed_name(&r.name) && !present.contains(r.name.as_str()))
+        .map(|r| r.name.clone())
+        .collect();
+    gone.sort();
+    gone.iter().filter_map(|name| index.retire(name)).collect()
 }
 
 /// Where a harvest finds the sandbox's files: the mounted directory on this host
@@ -531,6 +574,7 @@ mod tests {
         assert_eq!(report.files.len(), 2);
         assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
         assert!(report.notes.iter().any(|n| n.contains("big.bin")));
+        assert_eq!(report.not_kept, 2, "big.bin and the third small file");
     }
 
     #[test]
@@ -559,17 +603,19 @@ mod tests {
         assert_eq!(kept, ["a", "b"]);
         assert_eq!(report.notes.len(), 1, "{:?}", report.notes);
         assert!(report.notes[0].contains("1 new or changed file was not kept: c"));
+        assert_eq!(report.not_kept, 1);
         assert!(
             !ws.blob_path(&sha_of(&files.join("c"))).exists(),
             "never copied"
         );
-        // Unchanged: not noted again.
+        // Unchanged: not noted, nor counted, again.
         let again = ws.harvest(&mut index, limits).unwrap();
         assert!(
             again.files.is_empty() && again.notes.is_empty(),
             "{:?}",
             again.notes
         );
+        assert_eq!(again.not_kept, 0);
         // A new version of a replaces the old one, whose blob goes once the index is saved.
         let old = index.current("a").unwrap().sha256.clone();
         std::fs::write(files.join("a"), vec![b'z'; 300_000]).unwrap();
@@ -584,6 +630,84 @@ mod tests {
         ws.delete_unused_blobs(&index, &changed.unused_blobs);
         assert!(!ws.blob_path(&old).exists());
         assert!(index.stored_bytes() <= budget.room);
+    }
+
+    #[test]
+    fn files_the_code_removed_are_retired_and_said_once() {
+        let (_tmp, ws) = workspace();
+        let files = ws.files_dir();
+        std::fs::create_dir_all(files.join("in")).unwrap();
+        for name in ["a.txt", "in/b.csv", "kept.txt"] {
+            std::fs::write(files.join(name), name).unwrap();
+        }
+        let mut index = FileIndex::default();
+        let first = ws.harvest(&mut index, limits()).unwrap();
+        assert_eq!(first.files.len(), 3);
+        assert!(first.vanished.is_empty());
+        // A current version the listing never shows (hidden) is not taken for gone.
+        let mut hidden = first.files[0].record.clone();
+        hidden.id = "h".repeat(21);
+        hidden.name = ".env".into();
+        index.push_current(hidden);
+
+        std::fs::remove_file(files.join("a.txt")).unwrap();
+        std::fs::rename(files.join("in/b.csv"), files.join("moved.csv")).unwrap();
+        let report = ws.harvest(&mut index, limits()).unwrap();
+        let gone: Vec<_> = report.vanished.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(gone, ["a.txt", "in/b.csv"]);
+        assert!(report.index_changed);
+        assert!(index.current("a.txt").is_none());
+        assert!(
+            index.get(&first.files[0].record.id).is_some(),
+            "the id stays"
+        );
+        assert!(index.current(".env").is_some());
+        assert!(index.current("kept.txt").is_some());
+        let moved: Vec<_> = report
+            .files
+            .iter()
+            .map(|f| f.record.name.as_str())
+            .collect();
+        assert_eq!(moved, ["moved.csv"]);
+
+        let again = ws.harvest(&mut index, limits()).unwrap();
+        assert!(again.vanished.is_empty(), "{:?}", again.vanished);
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_read_is_counted_and_noted() {
+        struct Flaky;
+        impl HarvestSource for Flaky {
+            fn list(&mut self) -> io::Result<(Vec<(String, Stamp)>, bool)> {
+                let stamp = Stamp {
+                    ino: 1,
+                    size: 3,
+                    ctime: 1,
+                    ctime_nsec: 0,
+                };
+                Ok((vec![("swapped.bin".into(), stamp)], false))
+            }
+            fn hash(&mut self, _: &str, _: u64) -> io::Result<Option<String>> {
+                Err(io::ErrorKind::NotFound.into())
+            }
+            fn store_blob(
+                &mut self,
+                _: &Workspace,
+                _: &str,
+                _: u64,
+            ) -> io::Result<Option<(String, u64)>> {
+                Err(io::ErrorKind::NotFound.into())
+            }
+        }
+        let (_tmp, ws) = workspace();
+        let mut index = FileIndex::default();
+        let report = ws.harvest_from(&mut Flaky, &mut index, limits()).unwrap();
+        assert!(report.files.is_empty());
+        assert_eq!(report.not_kept, 1);
+        assert_eq!(
+            report.notes,
+            ["1 file could not be read and was left out of the generated files: swapped.bin"]
+        );
     }
 
     fn sha_of(path: &Path) -> String {

@@ -218,6 +218,35 @@ impl FileIndex {
         }
     }
 
+    /// Marks the current version of `name` as no longer current (its file is gone from
+    /// `/mnt/data`); the id still serves its bytes. Returns that version.
+    pub(crate) fn retire(&mut self, name: &str) -> Option<FileRecord> {
+        let pos = self.current.remove(name)?;
+        self.files[pos].current = false;
+        Some(self.files[pos].clone())
+    }
+
+    /// Makes version `id` current again at its name, with the stamp of the file placed
+    /// there anew; `false` (nothing changed) when the name has another current version.
+    pub(crate) fn reinstate(&mut self, id: &str, stamp: Stamp) -> bool {
+        let Some(&pos) = self.by_id.get(id) else {
+            return false;
+        };
+        let name = self.files[pos].name.clone();
+        if self.current.get(&name).is_some_and(|&p| p != pos) {
+            return false;
+        }
+        self.files[pos].current = true;
+        self.files[pos].stamp = stamp;
+        self.current.insert(name, pos);
+        true
+    }
+
+    /// The current versions, in no particular order.
+    pub(crate) fn current_records(&self) -> impl Iterator<Item = &FileRecord> {
+        self.current.values().map(|&pos| &self.files[pos])
+    }
+
     /// Whether any record still needs the blob `sha256`.
     pub(crate) fn uses_blob(&self, sha256: &str) -> bool {
         self.blobs.contains_key(sha256)
@@ -467,6 +496,30 @@ mod tests {
         assert_eq!(loaded.stored_bytes(), index.stored_bytes());
         assert_eq!(loaded.current("b").unwrap().id, "b3");
         assert_eq!(loaded.get("c2").unwrap().name, "c");
+    }
+
+    #[test]
+    fn a_retired_version_keeps_its_id_and_can_be_reinstated() {
+        let mut index = FileIndex::default();
+        index.push_current(record("a1", "a", "ha1", 10));
+        let retired = index.retire("a").expect("a is current");
+        assert_eq!(retired.id, "a1");
+        assert!(index.current("a").is_none());
+        assert!(!index.get("a1").unwrap().current);
+        assert!(index.retire("a").is_none(), "retired once");
+        let stamp = Stamp {
+            ino: 7,
+            ..Stamp::default()
+        };
+        assert!(index.reinstate("a1", stamp));
+        assert_eq!(index.current("a").unwrap().stamp.ino, 7);
+        // A newer version at the name wins over an old one.
+        index.push_current(record("a2", "a", "ha2", 10));
+        assert!(!index.reinstate("a1", stamp));
+        assert_eq!(index.current("a").unwrap().id, "a2");
+        let loaded: FileIndex =
+            serde_json::from_slice(&serde_json::to_vec(&index).unwrap()).unwrap();
+        assert_eq!(loaded.current("a").unwrap().id, "a2");
     }
 
     #[test]

@@ -185,6 +185,73 @@ test('execute_code: a CSV the host uploaded (v0.8.5+ upload, primed as a files r
   assert.equal(dl.text, 'city,temp\nOslo,4\nRome,18\nCairo,27\n');
 });
 
+test('execute_code: an input the code removes comes back as deleted_files, and ToolNode stops sending it', async () => {
+  const mark = proxy.log.length;
+  const runner = toolRunner(lc, [codeTool()]);
+  const made = await runner.run('execute_code', {
+    lang: 'py',
+    code: "open('/mnt/data/input.txt', 'w').write('draft')\nopen('/mnt/data/notes.txt', 'w').write('keep')",
+  });
+  assert.equal(made.status, 'success', contentText(made));
+  assert.deepEqual(made.artifact.files.map((f) => f.name).sort(), ['input.txt', 'notes.txt']);
+
+  // ToolNode injects both as refs; the code removes one.
+  const removed = await runner.run('execute_code', {
+    lang: 'py',
+    code: "import os\nos.remove('/mnt/data/input.txt')\nprint(sorted(os.listdir('/mnt/data')))",
+  });
+  assert.equal(removed.status, 'success', contentText(removed));
+  assert.match(contentText(removed), /\['notes\.txt'\]/);
+  assert.deepEqual(removed.artifact.deleted_files, ['input.txt']);
+  const execs = execRequests(mark);
+  assert.deepEqual(execs[1].body.files.map((f) => f.name).sort(), ['input.txt', 'notes.txt']);
+  assert.deepEqual(execs[1].response.deleted_files, ['input.txt']);
+
+  // The client read it: its session no longer holds input.txt, so the next call sends only notes.txt.
+  const next = await runner.run('execute_code', { lang: 'py', code: "print(open('/mnt/data/notes.txt').read())" });
+  assert.equal(contentText(next), 'stdout:\nkeep');
+  const third = execRequests(mark)[2].body;
+  assert.deepEqual(third.files.map((f) => f.name), ['notes.txt']);
+  assert.equal(next.artifact.deleted_files, undefined);
+});
+
+test('execute_code: generated files the broker could not keep bring the client\'s artifact delivery warning', async () => {
+  const runner = toolRunner(lc, [codeTool()]);
+  // 11 MiB is over CODEBROKER_MAX_OUTPUT_FILE_MB (10).
+  const partial = await runner.run('execute_code', {
+    lang: 'py',
+    code: "open('/mnt/data/big.bin', 'wb').write(bytes(11 * 1024 * 1024))\nopen('/mnt/data/small.txt', 'w').write('ok')\nprint('wrote')",
+  });
+  assert.equal(partial.status, 'success', contentText(partial));
+  const text = contentText(partial);
+  assert.ok(
+    text.includes(
+      'Artifact delivery warning: 1 of 2 generated files could not be persisted. Do not assume missing files are available to later calls or downloadable. The code itself ran; do not rerun automatically because it may have had side effects.',
+    ),
+    text,
+  );
+  // The broker's own note says which file and why.
+  assert.match(text, /stderr:\n[\s\S]*big\.bin/);
+  assert.deepEqual(partial.artifact.artifact_delivery, {
+    code: 'artifact_delivery_failed',
+    status: 'partial',
+    attempted: 2,
+    delivered: 1,
+    failed: 1,
+  });
+  assert.deepEqual(partial.artifact.files.map((f) => f.name), ['small.txt']);
+
+  // None kept at all: status "failed", and the warning says 1 of 1.
+  const failed = await runner.run('execute_code', {
+    lang: 'py',
+    code: "open('/mnt/data/huge.bin', 'wb').write(bytes(11 * 1024 * 1024))",
+  });
+  assert.equal(failed.status, 'success', contentText(failed));
+  assert.match(contentText(failed), /Artifact delivery warning: 1 of 1 generated files could not be persisted\./);
+  assert.equal(failed.artifact.artifact_delivery.status, 'failed');
+  assert.equal(failed.artifact.artifact_delivery.delivered, 0);
+});
+
 test('execute_code with stateful sessions: runtime_session_hint keeps the session even when no file links the calls', async () => {
   // LibreChat's codeExecutionContext for an agent with statefulCodeSessions:
   // { statefulSessions: true, executionProfile: 'stateful', runtimeSessionHint }.

@@ -231,6 +231,35 @@ test('3.9.x Python: sequential calls, one per round trip; the JWT on every reque
   assert.deepEqual(r.calls.map((c) => c.name), ['add', 'mul']);
 });
 
+test('3.9.x Python: a file the run could not keep brings the client\'s artifact delivery warning', async () => {
+  const r = ptcRunner(lc, currentPtc());
+  // 11 MiB is over CODEBROKER_MAX_OUTPUT_FILE_MB (10): one of the two files is not kept.
+  const code = [
+    's = await add(a=1, b=2)',
+    "open('/mnt/data/big.bin', 'wb').write(bytes(11 * 1024 * 1024))",
+    "open('/mnt/data/sum.txt', 'w').write(str(s))",
+    'print("sum", s)',
+  ].join('\n');
+  const msg = await r.run(r.name, { code });
+  assert.equal(msg.status, 'success', contentText(msg));
+  const text = contentText(msg);
+  assert.match(text, /^stdout:\nsum 3\n/);
+  assert.ok(
+    text.includes(
+      'Artifact delivery warning: 1 of 2 generated files could not be persisted. Do not assume missing files are available to later calls or downloadable.',
+    ),
+    text,
+  );
+  assert.deepEqual(msg.artifact.artifact_delivery, {
+    code: 'artifact_delivery_failed',
+    status: 'partial',
+    attempted: 2,
+    delivered: 1,
+    failed: 1,
+  });
+  assert.deepEqual(msg.artifact.files.map((f) => f.name), ['sum.txt']);
+});
+
 test('3.9.x Python: asyncio.gather sends the calls in one batch, and the client runs them at once', async () => {
   const mark = proxy.log.length;
   const r = ptcRunner(lc, currentPtc());

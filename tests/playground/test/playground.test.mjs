@@ -148,8 +148,9 @@ test('with auth on: key once, Python prints and plots, session kept, upload and 
   }
 });
 
-test('with auth off: no key needed, output streams while the code runs', async (t) => {
-  const broker = await startBroker({ auth: 'none' });
+test('with auth off: no key needed, output streams while the code runs, keep-alives pass unseen', async (t) => {
+  // A keep-alive comment every second: the 2 s sleep below gets at least one.
+  const broker = await startBroker({ auth: 'none', env: { CODEBROKER_STREAM_KEEPALIVE_SECS: '1' } });
   t.after(() => broker.stop());
   const page = await browser.newPage();
   try {

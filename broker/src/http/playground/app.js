@@ -114,7 +114,8 @@ function showDisplay(display) {
   }
 }
 
-// Server-sent events from a fetch body: yields {event, data} with data lines joined.
+// Server-sent events from a fetch body: yields {event, data} with data lines joined. A block
+// of comments only (the broker's `: keep-alive` while code is silent) is no event.
 async function* sseEvents(body) {
   const reader = body.getReader();
   const decoder = new TextDecoder();
@@ -127,13 +128,14 @@ async function* sseEvents(body) {
     while ((cut = buffer.indexOf('\n\n')) >= 0) {
       const block = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
-      let event = 'message';
+      let event = null;
       const data = [];
       for (const line of block.split('\n')) {
         if (line.startsWith('event:')) event = line.slice(6).trim();
         else if (line.startsWith('data:')) data.push(line.slice(5).replace(/^ /, ''));
       }
-      yield { event, data: data.join('\n') };
+      if (event === null && data.length === 0) continue;
+      yield { event: event ?? 'message', data: data.join('\n') };
     }
   }
 }
