@@ -88,6 +88,7 @@ pub(crate) async fn save_before_removal(
         Ok(Ok(Some(saved))) => tracing::info!(
             session = session.id(),
             bytes = saved.bytes,
+            pickle_ms = saved.pickle_ms,
             values = saved.values,
             modules = saved.modules,
             left_out = saved.not_kept.len(),
@@ -112,7 +113,8 @@ fn save_blocking(
     sandbox: &Sandbox,
     deadline: Instant,
 ) -> io::Result<Option<SavedState>> {
-    let saved = pull_state(rules, workspace, sandbox, deadline);
+    let started = Instant::now();
+    let saved = pull_state(rules, workspace, sandbox, started, deadline);
     let failed = match saved {
         Ok(saved) => return Ok(saved),
         Err(err) if Instant::now() >= deadline => (rules.took_too_long(), err),
@@ -131,6 +133,7 @@ fn pull_state(
     rules: StateRules,
     workspace: &Workspace,
     sandbox: &Sandbox,
+    started: Instant,
     deadline: Instant,
 ) -> io::Result<Option<SavedState>> {
     // The kernel pickles for half the bound at most: the rest is for moving the bytes.
@@ -143,6 +146,8 @@ fn pull_state(
         modules: answer.modules,
         not_kept: answer.skipped,
         failed: answer.error,
+        duration_ms: started.elapsed().as_millis() as u64,
+        pickle_ms: answer.duration_ms,
     };
     if answer.bytes == 0 {
         if saved.failed.is_none() && saved.not_kept.is_empty() {
@@ -160,6 +165,7 @@ fn pull_state(
         Ok(Some((sha256, size))) if size == answer.bytes && Instant::now() < deadline => {
             saved.bytes = size;
             saved.sha256 = Some(sha256);
+            saved.duration_ms = started.elapsed().as_millis() as u64;
             workspace.keep_state(Some(&part), &saved)
         }
         Ok(Some(_)) if Instant::now() >= deadline => {

@@ -40,6 +40,12 @@ pub(crate) struct SavedState {
     /// Why nothing was kept, when a save failed.
     #[serde(default)]
     pub(crate) failed: Option<String>,
+    /// How long the save took, pickling and moving the bytes (for operators).
+    #[serde(default)]
+    pub(crate) duration_ms: u64,
+    /// Of which the kernel's pickling (and writing to `/tmp`).
+    #[serde(default)]
+    pub(crate) pickle_ms: u64,
 }
 
 impl Workspace {
