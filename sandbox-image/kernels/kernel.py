@@ -1161,8 +1161,10 @@ class _StateSink:
         self.pos = os.lseek(fd, 0, os.SEEK_CUR)
 
     def write(self, data):
+        # bytes, or a PickleBuffer (protocol 5 hands large arrays over as they are).
         view = memoryview(data).cast("B")
-        if self.pos + view.nbytes > self.max_bytes:
+        size = view.nbytes
+        if self.pos + size > self.max_bytes:
             raise _OverBound()
         if self.clock() > self.deadline:
             raise _OutOfTime()
@@ -1170,7 +1172,7 @@ class _StateSink:
             n = os.write(self.fd, view)
             self.pos += n
             view = view[n:]
-        return len(data)
+        return size
 
     def cut(self, pos):
         """Drop what was written after pos (a name that failed)."""

@@ -1326,7 +1326,7 @@ import os.path as osp
 from sklearn.linear_model import LinearRegression
 df = pd.DataFrame({"a": range(5), "b": list("vwxyz")})
 model = LinearRegression().fit(np.arange(10).reshape(-1, 1), np.arange(10) * 2.0)
-arrays = {"x": np.arange(3), "y": np.ones((2, 2))}
+arrays = {"x": np.arange(3), "y": np.ones((2, 2)), "big": np.arange(200_000)}
 class Point:
     def __init__(self, x, y):
         self.x, self.y = x, y
@@ -1347,7 +1347,8 @@ t = threading.Thread(target=print)
 """
 
 STATE_CHECK = (
-    "print(df.shape, round(model.predict([[20]])[0], 6), arrays['y'].sum(), p.norm(), isinstance(p, Point),"
+    "print(df.shape, round(model.predict([[20]])[0], 6), arrays['y'].sum(), arrays['big'].sum(),"
+    " p.norm(), isinstance(p, Point),"
     " bump(), counter, alias is shared, pd.__name__, osp.__name__, threading.__name__)"
 )
 
@@ -1396,7 +1397,7 @@ def test_state_moves_to_a_new_kernel_without_what_cannot_outlive_it():
             # stay shared, modules are the imported ones.
             assert_ok(
                 b.run(STATE_CHECK),
-                "(5, 2) 40.0 4.0 5.0 True 11 11 True pandas posixpath threading\n",
+                "(5, 2) 40.0 4.0 19999900000 5.0 True 11 11 True pandas posixpath threading\n",
             )
             assert_ok(b.run("print('f' in globals(), 'g' in globals())"), "False False\n")
 
