@@ -344,3 +344,33 @@ async fn measure_a_100_mb_dataframe() {
          the same exec warm: {warm_ms} ms"
     );
 }
+
+#[tokio::test]
+async fn a_hostile_pickle_runs_only_in_the_sessions_own_sandbox() {
+    let broker = idle_broker("state-hostile", |_| {}).await;
+    // What the pickle runs when loaded: a line in the workspace, and a file at a path that
+    // exists on the host too. Loaded by the broker, the host file would appear.
+    let marker = std::env::temp_dir().join(format!("cb-state-marker-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let code = format!(
+        "import os\n\
+         class Trap:\n\
+         \x20   def __reduce__(self):\n\
+         \x20       return (os.system, ('echo loaded > /mnt/data/trap.txt; touch {}',))\n\
+         trap = Trap()",
+        marker.display()
+    );
+    let first = broker.run("py", &code, None).await;
+    let s = session(&first);
+    wait_for_removal(&broker, &s).await;
+    assert!(!marker.exists(), "the save ran the pickle on the host");
+    let next = broker
+        .run(
+            "py",
+            "print(open('trap.txt').read().strip(), trap)",
+            Some(&s),
+        )
+        .await;
+    assert_eq!(stdout(&next), "loaded 0\n", "{next}");
+    assert!(!marker.exists(), "the broker loaded the pickle");
+}

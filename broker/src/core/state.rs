@@ -251,6 +251,11 @@ impl Broker {
                 let left_out: Vec<NotKept> = not_kept.into_iter().chain(failed).collect();
                 if left_out.is_empty() {
                     Vec::new()
+                } else if restored == 0 {
+                    vec![lost_note(&format!(
+                        "none could be loaded: {}",
+                        names_and_why(&left_out)
+                    ))]
                 } else {
                     vec![format!(
                         "Python variables of this session were restored in a new sandbox, \
