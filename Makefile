@@ -54,7 +54,7 @@ test-runsc: image
 # The suites that move files, with every file through the runner instead of the host
 # directory: the path of a backend whose sandboxes the broker cannot see the disk of.
 RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programmatic \
-	--test lifecycle --test file_transfer --test shared_files
+	--test lifecycle --test file_transfer --test shared_files --test python_state
 test-runner-files: image
 	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
 	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test

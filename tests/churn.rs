@@ -61,12 +61,13 @@ async fn the_cap_evicts_the_least_recently_used_container() {
         (stdout(&r), r["runtime_status"].as_str()),
         ("2\n", Some("reused"))
     );
-    // The first one still has its files and gets a fresh container; the third (now the
-    // least recently used) gives up its own.
-    let r = broker.run("py", "print(1)", Some(&s1)).await;
+    // The first one still has its files and gets a fresh container, with the Python
+    // state saved at its eviction; the third (now the least recently used) gives up its
+    // own.
+    let r = broker.run("py", "print(x)", Some(&s1)).await;
     assert_eq!(
         (stdout(&r), r["runtime_status"].as_str()),
-        ("1\n", Some("new"))
+        ("1\n", Some("reused"))
     );
     eventually("s3 evicted", || {
         let mut alive = sessions_with_containers(&broker);

@@ -248,3 +248,39 @@ async fn a_broker_back_within_the_idle_ttl_re_attaches_and_keeps_its_containers_
     assert_eq!(containers_of(&second.instance), kept, "the same container");
     assert!(running(&kept[0]));
 }
+
+#[tokio::test]
+async fn a_stop_that_removes_containers_keeps_the_python_state_for_the_next_start() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let mut first = launch(instance_name("shutdown-state"), data, "remove", 10, &[]).await;
+    let session = session_with_container(&first.base).await;
+    first.signal(libc::SIGTERM);
+    assert!(first.wait(Duration::from_secs(60)).await.success());
+    assert!(
+        containers_of(&first.instance).is_empty(),
+        "removed at the stop"
+    );
+    let (instance, data) = first.hand_over();
+    let saved = data
+        .path()
+        .join("sessions")
+        .join(&session)
+        .join("python-state.bin");
+    assert!(
+        saved.exists(),
+        "the state was saved before the container went"
+    );
+    let second = launch(instance, data, "remove", 10, &[]).await;
+    let resp: Value = reqwest::Client::new()
+        .post(format!("{}/exec", second.base))
+        .json(&json!({ "lang": "py", "session_id": session, "code": "print(x + 1)" }))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("POST /exec")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(resp["stdout"], "42\n", "{resp}");
+    assert_eq!(resp["runtime_status"], "reused", "{resp}");
+}

@@ -141,6 +141,10 @@ pub struct Config {
     )]
     pub(crate) shutdown_containers: ShutdownContainers,
 
+    /// Python state across sandboxes: saved when a container goes, restored in the next.
+    #[command(flatten)]
+    pub state: StateConfig,
+
     /// The broker's URL as clients and browsers reach it, e.g. `https://code.example.com`:
     /// download links in MCP results and LobeChat answers, and the LobeChat manifest's API
     /// URL, start with it.
@@ -287,6 +291,42 @@ pub struct SandboxProfile {
         value_enum
     )]
     pub file_transfer: FileTransfer,
+}
+
+/// Python state across sandboxes: what a session's kernel holds when its container is
+/// removed, kept for the session's next container.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StateConfig {
+    /// Keep a session's Python variables when its container is removed while the kernel
+    /// holds them (idle or single-use TTL, eviction under a cap, a stop with
+    /// CODEBROKER_SHUTDOWN_CONTAINERS=remove): the kernel pickles its globals (cloudpickle;
+    /// modules are imported again, open files, sockets, threads and generators are left
+    /// out and named), the broker keeps the bytes in the session's data directory, and the
+    /// session's next Python exec, in a new container, loads them first and reports
+    /// `runtime_status: "reused"`. false: a new container starts with nothing.
+    #[arg(long, env = "CODEBROKER_PERSIST_STATE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub persist_state: bool,
+
+    /// Largest saved Python state of one session, as for the quota (`256MiB`): names whose
+    /// pickles would go over it are left out, and the next exec's stderr names them. The
+    /// file is pickled in the sandbox's `/tmp` (CODEBROKER_TMP_MB, charged to its memory),
+    /// so keep it well under both. 0: nothing is kept (as CODEBROKER_PERSIST_STATE=false).
+    #[arg(long, env = "CODEBROKER_STATE_MAX_BYTES", default_value = "256MiB", value_parser = parse_size)]
+    pub state_max_bytes: u64,
+
+    /// Seconds a save may take (pickling, half of it at most, and moving the bytes), and
+    /// a restore: past it a save keeps nothing and the container goes anyway, a restore
+    /// gives up and the exec runs in a fresh kernel; either is said in the next exec's
+    /// stderr.
+    #[arg(long, env = "CODEBROKER_STATE_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub state_timeout_secs: u64,
+}
+
+impl StateConfig {
+    /// Whether states are saved at all.
+    pub(crate) fn enabled(&self) -> bool {
+        self.persist_state && self.state_max_bytes > 0
+    }
 }
 
 /// The pool of started containers kept ready for new sessions.

@@ -194,6 +194,20 @@ class Kernel:
         out, err = self.take_output()
         return ev["exit_code"], out, err
 
+    def state(self, kind, timeout=60, **fields):
+        """A `save_state` or `restore_state` request; its answer, with `id` checked and
+        dropped."""
+        req_id = self.next_id
+        self.next_id += 1
+        req = {"type": kind, "id": req_id}
+        req.update(fields)
+        os.write(self.req_w, (json.dumps(req) + "\n").encode())
+        ev = self.event(timeout)
+        want = "state_saved" if kind == "save_state" else "state_restored"
+        assert ev is not None and ev.pop("event") == want and ev.pop("id") == req_id, ev
+        self.take_output()  # what pickling printed belongs to no exec
+        return ev
+
     def preload(self, modules):
         """The runner's `preload` request (not answered)."""
         os.write(self.req_w, (json.dumps({"type": "preload", "modules": modules}) + "\n").encode())
@@ -1300,6 +1314,218 @@ def test_a_fork_waits_for_the_import_under_way():
             # The cell saw the module half-imported (the preload was in it), and the fork
             # still gave the child a whole one.
             assert_ok((code, out, err), "True 7\n")
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
+# -- state across kernels -----------------------------------------------------------------------
+
+STATE_CELL = """
+import numpy as np, pandas as pd
+import os.path as osp
+from sklearn.linear_model import LinearRegression
+df = pd.DataFrame({"a": range(5), "b": list("vwxyz")})
+model = LinearRegression().fit(np.arange(10).reshape(-1, 1), np.arange(10) * 2.0)
+arrays = {"x": np.arange(3), "y": np.ones((2, 2)), "big": np.arange(200_000)}
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+p = Point(3, 4)
+counter = 10
+def bump():
+    global counter
+    counter += 1
+    return counter
+shared = [1]
+alias = shared
+f = open("x.txt", "w")
+g = (i for i in range(3))
+import threading
+t = threading.Thread(target=print)
+"""
+
+STATE_CHECK = (
+    "print(df.shape, round(model.predict([[20]])[0], 6), arrays['y'].sum(), arrays['big'].sum(),"
+    " p.norm(), isinstance(p, Point),"
+    " bump(), counter, alias is shared, pd.__name__, osp.__name__, threading.__name__)"
+)
+
+
+def _state_path(k):
+    """Where a test's state file goes: not the workspace (the runner keeps it in /tmp)."""
+    return os.path.join(tempfile.mkdtemp(prefix="cb-state-"), "state")
+
+
+def _state_file(items):
+    """A state file of (name, pickle bytes) items, each starting a fresh unpickler, laid out
+    as kernel.py lays it out."""
+    body, index, pos = bytearray(b"codebroker python state 1\n"), [], None
+    for name, data in items:
+        pos = len(body)
+        body += data
+        index.append([name, pos, len(body), True])
+    at = len(body)
+    body += json.dumps({"python": "3.11", "modules": {}, "items": index}).encode()
+    body += at.to_bytes(8, "little") + b"CBSTATE1"
+    return bytes(body)
+
+
+def test_state_moves_to_a_new_kernel_without_what_cannot_outlive_it():
+    try:
+        import pandas, sklearn  # noqa: F401
+    except ImportError:
+        skip("needs pandas and scikit-learn")
+    with Kernel() as a:
+        path = _state_path(a)
+        assert_ok(a.run(STATE_CELL), "")
+        saved = a.state("save_state", path=path, max_bytes=1 << 30, timeout_ms=30000)
+        assert saved["error"] is None, saved
+        assert saved["modules"] == 4 and saved["saved"] == 10, saved
+        assert saved["bytes"] == os.path.getsize(path), saved
+        assert sorted(saved["skipped"]) == [
+            ["f", "an open file"], ["g", "a generator"], ["t", "a thread"]
+        ], saved
+        # The kernel that saved goes on as before.
+        assert_ok(a.run("print(counter, f.closed)"), "10 False\n")
+        with Kernel() as b:
+            restored = b.state("restore_state", path=path, max_bytes=1 << 30)
+            assert restored == {"restored": 14, "failed": [], "error": None}, restored
+            assert not os.path.exists(path), "the restore removes the file"
+            # Functions and methods of cells see the restored namespace, shared objects
+            # stay shared, modules are the imported ones.
+            assert_ok(
+                b.run(STATE_CHECK),
+                "(5, 2) 40.0 4.0 19999900000 5.0 True 11 11 True pandas posixpath threading\n",
+            )
+            assert_ok(b.run("print('f' in globals(), 'g' in globals())"), "False False\n")
+
+
+def test_state_save_keeps_within_its_bounds():
+    with Kernel() as k:
+        path = _state_path(k)
+        assert_ok(k.run("big = bytes(2_000_000)\nsmall = [1, 2, 3]\nlast = 'z'"), "")
+        saved = k.state("save_state", path=path, max_bytes=100_000, timeout_ms=30000)
+        assert saved["saved"] == 2 and saved["error"] is None, saved
+        assert saved["skipped"] == [["big", "too large: the saved state may hold 100000 bytes"]], saved
+        assert os.path.getsize(path) <= 100_000
+        with Kernel() as b:
+            assert b.state("restore_state", path=path, max_bytes=100_000)["restored"] == 2
+            assert_ok(b.run("print(small, last, 'big' in globals())"), "[1, 2, 3] z False\n")
+        # Past the time bound the name being pickled and the rest are left out.
+        assert_ok(k.run("huge = list(range(3_000_000))\nafter = 1"), "")
+        saved = k.state("save_state", path=path, max_bytes=1 << 30, timeout_ms=1)
+        late = [n for n, why in saved["skipped"] if "longer than 1 ms" in why]
+        assert "huge" in late and "after" in late, saved
+        # No room even for the index: refused whole.
+        saved = k.state("save_state", path=path, max_bytes=10, timeout_ms=1000)
+        assert "may hold only 10 bytes" in saved["error"], saved
+        assert_ok(k.run("print(len(small))"), "3\n")
+
+
+def test_state_names_what_cannot_be_pickled():
+    with Kernel() as k:
+        path = _state_path(k)
+        assert_ok(k.run(
+            "import _thread\n"
+            "class Bad:\n"
+            "    def __reduce__(self):\n"
+            "        raise RuntimeError('no')\n"
+            "bad = Bad()\n"
+            "inside = {'lock': _thread.allocate_lock()}\n"
+            "fine = 2\n"
+        ), "")
+        saved = k.state("save_state", path=path, max_bytes=1 << 20, timeout_ms=5000)
+        why = dict(saved["skipped"])
+        assert why["bad"] == "cannot be pickled: RuntimeError: no", saved
+        assert why["inside"].startswith("cannot be pickled: TypeError"), saved
+        assert saved["saved"] == 2 and saved["modules"] == 1, saved  # Bad, fine; _thread
+        with Kernel() as b:
+            assert b.state("restore_state", path=path, max_bytes=1 << 20)["restored"] == 3
+            assert_ok(b.run("print(fine, Bad.__name__)"), "2 Bad\n")
+
+
+def test_a_damaged_state_is_refused_and_the_kernel_goes_on():
+    with Kernel() as a:
+        path = _state_path(a)
+        assert_ok(a.run("one = 'first'\ntwo = list(range(1000))\nthree = {'k': 3}"), "")
+        assert a.state("save_state", path=path, max_bytes=1 << 20, timeout_ms=5000)["saved"] == 3
+        with open(path, "rb") as f:
+            good = f.read()
+
+    def restore(data, max_bytes=1 << 20):
+        with open(path, "wb") as f:
+            f.write(data)
+        with Kernel() as b:
+            answer = b.state("restore_state", path=path, max_bytes=max_bytes)
+            code, out, err = b.run("print(sorted(k for k in globals() if not k.startswith('__')))")
+            assert code == 0, err
+            return answer, out
+
+    for data, error in (
+        (b"", "too short"),
+        (b"x" * 100, "not a saved state"),
+        (good[:-3], "cut short"),
+        (good[:-12] + (10 ** 9).to_bytes(8, "little") + b"CBSTATE1", "index is damaged"),
+    ):
+        answer, names = restore(data)
+        assert error in (answer["error"] or ""), (error, answer)
+        assert names == "[]\n", names
+    answer, _ = restore(good, max_bytes=100)
+    assert "more than the 100 allowed" in answer["error"], answer
+    # One name's bytes spoiled: that name fails, the others load.
+    i = good.index(b"first")
+    answer, names = restore(good[:i] + b"\xff\xff\xff\xff\xff" + good[i + 5:])
+    assert answer["error"] is None and answer["restored"] >= 2, answer
+    assert any(n == "one" for n, _ in answer["failed"]) or "'one'" in names, answer
+    assert "'three'" in names and "'two'" in names, names
+    # Hostile bytes reach for no object of the kernel's but the namespace: an unknown
+    # persistent id fails its name; the others load.
+    import pickle
+
+    class Other:
+        pass
+
+    class Reacher(pickle.Pickler):
+        def persistent_id(self, obj):
+            return "kernel" if isinstance(obj, Other) else None
+
+    import io as _io
+    reach = _io.BytesIO()
+    Reacher(reach, protocol=5).dump([Other()])
+    answer, names = restore(_state_file([("reach", reach.getvalue()), ("ok", pickle.dumps(7))]))
+    assert answer["failed"] == [["reach", "UnpicklingError: unknown persistent id"]], answer
+    assert names == "['ok']\n", names
+    with Kernel() as k:
+        assert_ok(k.run("x = 1"), "")
+        with open(path, "wb") as f:
+            f.write(good)
+        answer = k.state("restore_state", path=path, max_bytes=1 << 20)
+        assert answer["error"] == "the kernel has run code already", answer
+
+
+def test_nothing_to_save_writes_no_file():
+    with Kernel() as k:
+        path = _state_path(k)
+        saved = k.state("save_state", path=path, max_bytes=1 << 20, timeout_ms=1000)
+        assert saved == {"bytes": 0, "saved": 0, "modules": 0, "skipped": [], "error": None}, saved
+        assert not os.path.exists(path)
+
+
+def test_a_restore_stops_the_preload():
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    try:
+        with open(os.path.join(lib, "slow_first.py"), "w") as f:
+            f.write("import time\ntime.sleep(0.5)\n")
+        with open(os.path.join(lib, "marker_second.py"), "w") as f:
+            f.write("")
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            k.preload(["slow_first", "marker_second"])
+            answer = k.state("restore_state", path=os.path.join(lib, "none"), max_bytes=100)
+            assert "cannot open" in answer["error"], answer
+            assert _wait_for_preload(k) is True
+            assert_ok(k.run("import sys\nprint('marker_second' in sys.modules)"), "False\n")
     finally:
         shutil.rmtree(lib, ignore_errors=True)
 

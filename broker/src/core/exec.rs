@@ -282,6 +282,10 @@ impl Broker {
 
         let sandbox = self.sandbox_for(&session).await?;
         notes.extend(self.settle_files(&session).await);
+        if input.lang == Language::Py {
+            // The variables of the session's last container, if it saved them.
+            notes.extend(self.restore_state(&session, &sandbox).await);
+        }
         let timeout_ms = self.exec_timeout_ms(input.timeout_ms, hooks.tools.is_some());
         let ExecHooks {
             events,

@@ -1,6 +1,7 @@
 //! The core shared by every front end (HTTP, MCP, code mode): choosing a session
 //! (`sessions.rs`), running one exec in it (`exec.rs`), the sandboxes behind the sessions
-//! (`sandboxes.rs`), the files of a session (`files.rs`), and the limits on all of them.
+//! (`sandboxes.rs`) and the Python state kept across them (`state.rs`), the files of a
+//! session (`files.rs`), and the limits on all of them.
 //! The core speaks no HTTP: it fails with [`Error`], which each front end renders.
 
 pub(crate) mod diskspace;
@@ -11,6 +12,7 @@ pub(crate) mod limits;
 pub(crate) mod observe;
 mod sandboxes;
 pub(crate) mod sessions;
+mod state;
 
 pub(crate) use error::{Error, Result};
 pub(crate) use exec::{

@@ -1,9 +1,10 @@
 //! The sandboxes behind the sessions: one for an exec (from the pool or new), discarding
-//! broken ones, re-attaching after a restart, evicting idle ones, and the shutdown.
+//! broken ones, re-attaching after a restart, evicting idle ones (their Python state saved
+//! first, `state.rs`), and the shutdown.
 
 use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
-use crate::core::Broker;
+use crate::core::{state, Broker};
 use crate::ids::is_valid_id;
 use crate::sandbox::{docker::short, CpuWeight, Sandbox, Warmup};
 use crate::session::evict::{self, Reason};
@@ -254,16 +255,21 @@ impl Broker {
         seen_uses: u64,
     ) -> bool {
         // Used since the snapshot that chose it: no longer the least recently used.
-        let Some(_turn) = session.claim_unused_since(seen_uses) else {
+        let Some(turn) = session.claim_unused_since(seen_uses) else {
             return false;
         };
         let Some(sandbox) = session.set_sandbox(None) else {
             return false;
         };
         self.record_eviction(session, reason);
-        sandbox.close("evicted");
-        let backend = self.backend.clone();
-        tokio::spawn(async move { backend.remove(&sandbox.container_id).await });
+        let (rules, backend, session) = (self.state_rules(), self.backend.clone(), session.clone());
+        tokio::spawn(async move {
+            // The session's next exec waits for the save, so that it finds the state.
+            state::save_before_removal(rules, &session, &sandbox).await;
+            drop(turn);
+            sandbox.close("evicted");
+            backend.remove(&sandbox.container_id).await
+        });
         true
     }
 
@@ -301,19 +307,25 @@ impl Broker {
         }
         let (sessions, live) = self.live_sessions();
         let room = evict::Room::default();
+        let mut removals = Vec::new();
         for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
             let session = &sessions[i];
             // An exec that took the turn since the snapshot marked the session used: its
             // sandbox stays.
-            let Some(_turn) = session.claim_unused_since(live[i].uses) else {
+            let Some(turn) = session.claim_unused_since(live[i].uses) else {
                 continue;
             };
             let Some(sandbox) = session.sandbox() else {
                 continue;
             };
             self.record_eviction(session, reason);
-            self.discard_sandbox(session, &sandbox).await;
+            // Side by side: each save has its own time bound, and none waits for another.
+            removals.push(async move {
+                self.retire_sandbox(session, &sandbox).await;
+                drop(turn);
+            });
         }
+        futures::future::join_all(removals).await;
     }
 
     /// On shutdown: drain the pool; leave session containers for the next start to
@@ -322,17 +334,27 @@ impl Broker {
         self.pool.drain(&*self.backend).await;
         let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
+        let mut removals = Vec::new();
+        let rules = self.state_rules();
         for session in self.registry.all() {
             if !remove {
                 count += usize::from(session.sandbox().is_some());
                 continue;
             }
+            // An exec abandoned at the end of the grace still runs: no save behind it.
+            let turn = session.try_acquire();
             if let Some(sandbox) = session.set_sandbox(None) {
-                sandbox.close("shutdown");
-                self.backend.remove(&sandbox.container_id).await;
                 count += 1;
+                removals.push(async move {
+                    if turn.is_some() {
+                        state::save_before_removal(rules, &session, &sandbox).await;
+                    }
+                    sandbox.close("shutdown");
+                    self.backend.remove(&sandbox.container_id).await;
+                });
             }
         }
+        futures::future::join_all(removals).await;
         if remove {
             self.await_no_containers().await;
             tracing::info!(removed = count, "removed session containers");

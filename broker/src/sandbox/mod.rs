@@ -4,6 +4,7 @@ pub(crate) mod backend;
 pub(crate) mod channel;
 pub(crate) mod docker;
 pub(crate) mod runner_files;
+pub(crate) mod runner_state;
 
 pub(crate) use backend::{SandboxBackend, SandboxFiles};
 pub(crate) use channel::{ChannelError, RunnerChannel};

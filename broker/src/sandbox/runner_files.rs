@@ -18,8 +18,8 @@
 use super::{ChannelError, Sandbox};
 use crate::workspace::{FileIndex, FileRecord, HarvestSource, Stamp, Workspace, MAX_ENTRIES};
 use sandbox_runner::files::{
-    is_listed_name, is_plain_name, FileStamp, ListFilesRequest, ReadFileRequest, RemoveFileRequest,
-    WriteFileRequest, MAX_CHUNK_BYTES,
+    is_listed_name, is_plain_name, FileChunk, FileStamp, FileWritten, ListFilesRequest,
+    ReadFileRequest, RemoveFileRequest, WriteFileRequest, MAX_CHUNK_BYTES,
 };
 use sandbox_runner::Request;
 use sha2::{Digest, Sha256};
@@ -58,9 +58,18 @@ enum Pending {
 
 /// Sends one file request and waits for its answer, from a blocking thread.
 fn request<R: Request>(sandbox: &Sandbox, req: R) -> io::Result<R::Response> {
+    request_within(sandbox, req, REQUEST_TIMEOUT)
+}
+
+/// Sends one request and waits up to `timeout` for its answer, from a blocking thread.
+pub(super) fn request_within<R: Request>(
+    sandbox: &Sandbox,
+    req: R,
+    timeout: Duration,
+) -> io::Result<R::Response> {
     let handle = tokio::runtime::Handle::try_current().map_err(io::Error::other)?;
     handle
-        .block_on(async { tokio::time::timeout(REQUEST_TIMEOUT, sandbox.file_request(req)).await })
+        .block_on(async { tokio::time::timeout(timeout, sandbox.file_request(req)).await })
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the runner did not answer"))?
         .map_err(channel_error)
 }
@@ -102,19 +111,31 @@ fn read_hashing(
     if !is_plain_name(name) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name"));
     }
+    let fetch = |offset, len| {
+        let req = ReadFileRequest {
+            name: name.to_string(),
+            offset,
+            len,
+        };
+        request(sandbox, req)
+    };
+    read_chunks(fetch, max_bytes, out)
+}
+
+/// Reads a file through `fetch(offset, len)`, one chunk at a time, into `out`, hashing
+/// it: its hash and size, or `None` once more than `max_bytes` came. A chunk longer than
+/// asked for is an error. Shared by workspace files and the Python state file.
+pub(super) fn read_chunks(
+    mut fetch: impl FnMut(u64, u32) -> io::Result<FileChunk>,
+    max_bytes: u64,
+    out: &mut impl Write,
+) -> io::Result<Option<(String, u64)>> {
     let mut hasher = Sha256::new();
     let mut total = 0u64;
     loop {
         // One byte more than allowed tells an oversized file from one that just fits.
         let want = (max_bytes.saturating_add(1) - total).min(u64::from(MAX_CHUNK_BYTES)) as u32;
-        let chunk = request(
-            sandbox,
-            ReadFileRequest {
-                name: name.to_string(),
-                offset: total,
-                len: want,
-            },
-        )?;
+        let chunk = fetch(total, want)?;
         if chunk.data.len() > want as usize {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -211,7 +232,28 @@ fn write_blob(sandbox: &Sandbox, blob: &Path, name: &str, read_only: bool) -> io
     if !is_plain_name(name) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name"));
     }
-    let mut src = std::fs::File::open(blob)?;
+    let put = |offset, data, last| {
+        let req = WriteFileRequest {
+            name: name.to_string(),
+            offset,
+            data,
+            create: offset == 0,
+            // 0444 only at the end: the runner could not write the rest after it.
+            read_only: read_only && last,
+        };
+        request(sandbox, req)
+    };
+    Ok(to_stamp(write_chunks(blob, put)?.stamp))
+}
+
+/// Sends the file `src` through `put(offset, bytes, last)`, one chunk at a time (the first
+/// at offset 0 creates the file); the last chunk's answer. Shared by workspace files and
+/// the Python state file.
+pub(super) fn write_chunks(
+    src: &Path,
+    mut put: impl FnMut(u64, Vec<u8>, bool) -> io::Result<FileWritten>,
+) -> io::Result<FileWritten> {
+    let mut src = std::fs::File::open(src)?;
     let size = src.metadata()?.len();
     let mut offset = 0u64;
     let mut buf = vec![0u8; MAX_CHUNK_BYTES as usize];
@@ -219,20 +261,10 @@ fn write_blob(sandbox: &Sandbox, blob: &Path, name: &str, read_only: bool) -> io
         let want = (size - offset).min(u64::from(MAX_CHUNK_BYTES)) as usize;
         src.read_exact(&mut buf[..want])?;
         let last = offset + want as u64 >= size;
-        let written = request(
-            sandbox,
-            WriteFileRequest {
-                name: name.to_string(),
-                offset,
-                data: buf[..want].to_vec(),
-                create: offset == 0,
-                // 0444 only at the end: the runner could not write the rest after it.
-                read_only: read_only && last,
-            },
-        )?;
+        let written = put(offset, buf[..want].to_vec(), last)?;
         offset += want as u64;
         if last {
-            return Ok(to_stamp(written.stamp));
+            return Ok(written);
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The host side of a session's files.
 //!
 //! On disk a session is `DATA_DIR/sessions/<session id>/` holding `session.json` (who owns
-//! it), `index.json` (file ids) and `files/`, the directory mounted at `/mnt/data`. The
+//! it), `index.json` (file ids), `blobs/` (file versions), the saved Python state of its
+//! last container if any (`python-state.bin` and `.json`, see `state`) and `files/`, the
+//! directory mounted at `/mnt/data`. The
 //! sandbox controls everything under `files/`: it can plant symlinks, FIFOs, sockets and
 //! races. So the broker reads it only through `cap-std` (every lookup stays beneath the
 //! directory: a link that would lead out is an error, a relative link inside it may be
@@ -20,10 +22,12 @@ mod blobs;
 mod fs;
 mod harvest;
 mod index;
+mod state;
 
 pub(crate) use fs::{euid, safe_relative_path};
 pub(crate) use harvest::{HarvestLimits, HarvestReport, HarvestSource, MAX_ENTRIES};
 pub(crate) use index::{human_bytes, FileIndex, FileRecord, Origin, Stamp, StorageBudget};
+pub(crate) use state::SavedState;
 
 use cap_std::ambient_authority;
 use cap_std::fs::{Dir, MetadataExt};

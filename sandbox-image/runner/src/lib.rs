@@ -11,7 +11,9 @@
 pub mod files;
 pub mod language;
 pub mod protocol;
+pub mod state;
 
 pub use files::*;
 pub use language::Language;
 pub use protocol::*;
+pub use state::*;

@@ -229,7 +229,7 @@ fn main() {
         match line {
             Ok(Line::Frame(line)) => {
                 if !line.trim_ascii().is_empty() {
-                    handle(&line, &chan, &control, &cfg.workdir);
+                    handle(&line, &chan, &control, &cfg);
                 }
             }
             Ok(Line::TooLong(prefix)) => chan.error(
@@ -257,7 +257,8 @@ fn main() {
 }
 
 /// Acts on one frame from the broker.
-fn handle(line: &[u8], chan: &Channel, control: &Control, workdir: &std::path::Path) {
+fn handle(line: &[u8], chan: &Channel, control: &Control, cfg: &Config) {
+    let workdir = cfg.workdir.as_path();
     let (job, msg) = match frame::parse(line) {
         Parsed::Msg(job, msg) => (job, msg),
         Parsed::Bad(job, why) => return chan.error(job, why),
@@ -312,6 +313,37 @@ fn handle(line: &[u8], chan: &Channel, control: &Control, workdir: &std::path::P
             chan,
             job,
             workspace_files::remove(workdir, &req).map(WorkerMessage::FileRemoved),
+        ),
+        // The kernel is the worker's: saving and loading wait for it, in turn with execs.
+        CoordinatorMessage::SaveState(req) => control.push(Task::SaveState(job, req)),
+        CoordinatorMessage::RestoreState(req) => control.push(Task::RestoreState(job, req)),
+        // The state file's bytes move like a workspace file's, from the runner's own
+        // directory under the temp dir.
+        CoordinatorMessage::ReadState(req) => answer(
+            chan,
+            job,
+            worker::state_dir(&cfg.tmp, false).and_then(|dir| {
+                let req = sandbox_runner::ReadFileRequest {
+                    name: sandbox_runner::STATE_FILE.into(),
+                    offset: req.offset,
+                    len: req.len,
+                };
+                workspace_files::read(&dir, &req).map(WorkerMessage::FileChunk)
+            }),
+        ),
+        CoordinatorMessage::WriteState(req) => answer(
+            chan,
+            job,
+            worker::state_dir(&cfg.tmp, true).and_then(|dir| {
+                let req = sandbox_runner::WriteFileRequest {
+                    name: sandbox_runner::STATE_FILE.into(),
+                    offset: req.offset,
+                    data: req.data,
+                    create: req.create,
+                    read_only: false,
+                };
+                workspace_files::write(&dir, &req).map(WorkerMessage::FileWritten)
+            }),
         ),
     }
 }

@@ -9,6 +9,10 @@ use crate::files::{
     FileChunk, FileList, FileRemoved, FileWritten, ListFilesRequest, ReadFileRequest,
     RemoveFileRequest, WriteFileRequest,
 };
+use crate::state::{
+    ReadStateRequest, RestoreStateRequest, SaveStateRequest, StateRestored, StateSaved,
+    WriteStateRequest,
+};
 use crate::Language;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -56,6 +60,14 @@ pub enum CoordinatorMessage {
     WriteFile(WriteFileRequest),
     /// Remove one workspace file if it is still the version the broker placed.
     RemoveFile(RemoveFileRequest),
+    /// Have the kernel save its globals to the state file (see [`crate::state`]).
+    SaveState(SaveStateRequest),
+    /// Send a piece of the state file.
+    ReadState(ReadStateRequest),
+    /// Write a piece of the state file.
+    WriteState(WriteStateRequest),
+    /// Have the kernel load the state file before it runs code.
+    RestoreState(RestoreStateRequest),
 }
 
 /// A message from the runner to the broker.
@@ -85,6 +97,10 @@ pub enum WorkerMessage {
     FileWritten(FileWritten),
     /// Answer to [`RemoveFileRequest`].
     FileRemoved(FileRemoved),
+    /// Answer to [`SaveStateRequest`].
+    StateSaved(StateSaved),
+    /// Answer to [`RestoreStateRequest`].
+    StateRestored(StateRestored),
 }
 
 /// Ties a request to the message that answers it. The broker narrows the message that
@@ -117,6 +133,8 @@ narrow!(FileList => crate::files::FileList);
 narrow!(FileChunk => crate::files::FileChunk);
 narrow!(FileWritten => crate::files::FileWritten);
 narrow!(FileRemoved => crate::files::FileRemoved);
+narrow!(StateSaved => crate::state::StateSaved);
+narrow!(StateRestored => crate::state::StateRestored);
 
 /// Ties a request type to its [`CoordinatorMessage`] variant and its answer.
 macro_rules! request {
@@ -137,6 +155,10 @@ request!(crate::files::ListFilesRequest => ListFiles, crate::files::FileList);
 request!(crate::files::ReadFileRequest => ReadFile, crate::files::FileChunk);
 request!(crate::files::WriteFileRequest => WriteFile, crate::files::FileWritten);
 request!(crate::files::RemoveFileRequest => RemoveFile, crate::files::FileRemoved);
+request!(crate::state::SaveStateRequest => SaveState, crate::state::StateSaved);
+request!(crate::state::ReadStateRequest => ReadState, crate::files::FileChunk);
+request!(crate::state::WriteStateRequest => WriteState, crate::files::FileWritten);
+request!(crate::state::RestoreStateRequest => RestoreState, crate::state::StateRestored);
 
 /// Checks the runner is alive, and optionally warms it up.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

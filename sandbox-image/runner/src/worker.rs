@@ -18,8 +18,10 @@ mod gather;
 mod kernel;
 mod program;
 mod report;
+mod state;
 
 pub(crate) use control::{Control, Task, Watch};
+pub(crate) use state::state_dir;
 // Started beside the worker, on the same `Control`.
 pub(crate) use crate::quota::watch_quota;
 
@@ -155,6 +157,14 @@ impl Worker {
                 Some(Task::Exec(job, req)) => {
                     let msg = self.exec(job, &req);
                     self.control.finish();
+                    self.chan.send(job, &msg);
+                }
+                Some(Task::SaveState(job, req)) => {
+                    let msg = WorkerMessage::StateSaved(self.save_state(&req));
+                    self.chan.send(job, &msg);
+                }
+                Some(Task::RestoreState(job, req)) => {
+                    let msg = WorkerMessage::StateRestored(self.restore_state(&req));
                     self.chan.send(job, &msg);
                 }
                 None => self.idle(),

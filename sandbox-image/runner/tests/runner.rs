@@ -1681,3 +1681,179 @@ fn workspace_growth_past_the_quota_stops_the_exec() {
     );
     assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
 }
+
+// ----- Python state across runners -----
+
+impl Runner {
+    /// Sends a request and returns the message that answers it.
+    fn ask(&mut self, job: JobId, msg: CoordinatorMessage) -> WorkerMessage {
+        self.send(job, msg);
+        let (j, answer) = self.recv();
+        assert_eq!(j, job, "{answer:?}");
+        answer
+    }
+
+    /// The state file's bytes, read in chunks of `len`.
+    fn read_state(&mut self, job: JobId, len: u32) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        loop {
+            let req = sandbox_runner::ReadStateRequest {
+                offset: bytes.len() as u64,
+                len,
+            };
+            match self.ask(job, CoordinatorMessage::ReadState(req)) {
+                WorkerMessage::FileChunk(chunk) => {
+                    assert!(chunk.data.len() <= len as usize);
+                    bytes.extend_from_slice(&chunk.data);
+                    if chunk.eof {
+                        return bytes;
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// Writes `bytes` as the state file in chunks of `len`.
+    fn write_state(&mut self, job: JobId, bytes: &[u8], len: usize) {
+        for (i, piece) in bytes.chunks(len).enumerate() {
+            let req = sandbox_runner::WriteStateRequest {
+                offset: (i * len) as u64,
+                data: piece.to_vec(),
+                create: i == 0,
+            };
+            let answer = self.ask(job, CoordinatorMessage::WriteState(req));
+            assert!(
+                matches!(answer, WorkerMessage::FileWritten(_)),
+                "{answer:?}"
+            );
+        }
+    }
+
+    fn save_state(&mut self, job: JobId, max_bytes: u64) -> sandbox_runner::StateSaved {
+        let req = sandbox_runner::SaveStateRequest {
+            max_bytes,
+            timeout_ms: 20_000,
+        };
+        match self.ask(job, CoordinatorMessage::SaveState(req)) {
+            WorkerMessage::StateSaved(saved) => saved,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn restore_state(&mut self, job: JobId, max_bytes: u64) -> sandbox_runner::StateRestored {
+        let req = sandbox_runner::RestoreStateRequest {
+            max_bytes,
+            timeout_ms: 20_000,
+        };
+        match self.ask(job, CoordinatorMessage::RestoreState(req)) {
+            WorkerMessage::StateRestored(restored) => restored,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+fn cloudpickle_on_host() -> bool {
+    let found = Command::new("python3")
+        .args(["-c", "import cloudpickle"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        println!("note: no cloudpickle for python3 on this host; skipping the state tests");
+    }
+    found
+}
+
+#[test]
+fn py_state_moves_to_another_runner_and_says_what_it_left_out() {
+    let Some(mut a) = python_runner() else { return };
+    if !cloudpickle_on_host() {
+        return;
+    }
+    // A kernel that ran no code has nothing to save.
+    let nothing = a.save_state(1, 1 << 20);
+    assert_eq!(
+        (nothing.bytes, nothing.error.as_deref()),
+        (0, None),
+        "{nothing:?}"
+    );
+    let code = "import os\nclass Box:\n    def __init__(self, v): self.v = v\n\
+                box = Box(41)\nlog = open(os.devnull, 'w')\nbig = bytes(300_000)";
+    assert_eq!(a.exec(2, req(Language::Py, code)).exit_code, Some(0));
+    let saved = a.save_state(3, 100_000);
+    assert_eq!((saved.saved, saved.modules), (2, 1), "{saved:?}"); // Box, box; os
+    let why: Vec<(&str, &str)> = saved
+        .skipped
+        .iter()
+        .map(|n| (n.name.as_str(), n.why.as_str()))
+        .collect();
+    assert_eq!(
+        why,
+        [
+            ("log", "an open file"),
+            ("big", "too large: the saved state may hold 100000 bytes")
+        ]
+    );
+    let bytes = a.read_state(4, 1000);
+    assert_eq!(bytes.len() as u64, saved.bytes);
+
+    let Some(mut b) = python_runner() else { return };
+    b.write_state(1, &bytes, 700);
+    let restored = b.restore_state(2, 100_000);
+    assert_eq!(
+        (restored.restored, restored.error.as_deref()),
+        (3, None),
+        "{restored:?}"
+    );
+    let resp = b.exec(
+        3,
+        req(Language::Py, "print(box.v + 1, type(box) is Box, os.sep)"),
+    );
+    assert_eq!(resp.stdout, "42 True /\n", "{resp:?}");
+    assert_eq!(resp.runtime_status, RuntimeStatus::Reused);
+    // The file went with the restore; a kernel that ran code takes no state.
+    assert!(matches!(
+        b.ask(
+            4,
+            CoordinatorMessage::ReadState(sandbox_runner::ReadStateRequest { offset: 0, len: 10 })
+        ),
+        WorkerMessage::Error(_)
+    ));
+    b.write_state(5, &bytes, 1 << 20);
+    let refused = b.restore_state(6, 100_000);
+    assert_eq!(
+        refused.error.as_deref(),
+        Some("the kernel has run code already")
+    );
+}
+
+#[test]
+fn py_bad_saved_state_is_refused_and_the_next_exec_starts_fresh() {
+    let Some(mut r) = python_runner() else { return };
+    // No file at all, damaged bytes, and a file over the bound: each refused, the kernel
+    // unharmed, the exec after them a fresh start.
+    let none = r.restore_state(1, 1000);
+    assert!(none.error.unwrap().starts_with("no saved state"));
+    r.write_state(2, &[b'y'; 100], 30);
+    let damaged = r.restore_state(3, 1000);
+    assert_eq!(
+        damaged.error.as_deref(),
+        Some("not a saved state"),
+        "{damaged:?}"
+    );
+    r.write_state(4, &[b'x'; 2000], 1000);
+    let over = r.restore_state(5, 1000);
+    assert_eq!(
+        over.error.as_deref(),
+        Some("the saved state has 2000 bytes, more than the 1000 allowed")
+    );
+    let resp = r.exec(
+        6,
+        req(
+            Language::Py,
+            "print('fresh', len([k for k in globals() if not k.startswith('__')]))",
+        ),
+    );
+    assert_eq!(resp.stdout, "fresh 0\n", "{resp:?}");
+    assert_eq!(resp.runtime_status, RuntimeStatus::New);
+}

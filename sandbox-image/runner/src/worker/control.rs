@@ -3,7 +3,7 @@
 
 use crate::quota::Usage;
 use crate::sys::Waker;
-use sandbox_runner::{ExecRequest, JobId, ToolResult};
+use sandbox_runner::{ExecRequest, JobId, RestoreStateRequest, SaveStateRequest, ToolResult};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -15,6 +15,10 @@ pub enum Task {
     StartKernel(Vec<String>),
     /// Run an exec and answer it.
     Exec(JobId, ExecRequest),
+    /// Have the kernel save its globals to the state file, and answer.
+    SaveState(JobId, SaveStateRequest),
+    /// Have the kernel (started if need be) load the state file, and answer.
+    RestoreState(JobId, RestoreStateRequest),
 }
 
 /// State shared between the reader thread and the worker.

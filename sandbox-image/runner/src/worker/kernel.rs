@@ -42,20 +42,23 @@ pub(super) struct Kernel {
     /// Fd 4 on its side: `ready` and `done` events; `None` once closed.
     pub(super) events: Option<OwnedFd>,
     /// Fd 3 on its side: requests; `None` once it stopped reading.
-    requests: Option<OwnedFd>,
+    pub(super) requests: Option<OwnedFd>,
     /// A partial event line.
     events_buf: Vec<u8>,
     /// Whether it said `ready`: before that it has no state worth an interrupt, and
     /// SIGINT could kill it half-started, so a stop kills it at once.
     ready: bool,
-    /// Whether it was given code before (`Reused` rather than `New`).
-    ran_code: bool,
+    /// Whether it was given code before, or restored a saved state (`Reused` rather than
+    /// `New`).
+    pub(super) ran_code: bool,
     /// Its raw wait status once it died.
     pub(super) exit: Option<libc::c_int>,
     /// When it closed one of its pipes; such a kernel is replaced.
-    broken_at: Option<Instant>,
+    pub(super) broken_at: Option<Instant>,
     /// The id of the last request.
-    last_id: u64,
+    pub(super) last_id: u64,
+    /// The answer to the state request under way (`state_saved`, `state_restored`).
+    pub(super) state_reply: Option<KernelEvent>,
     /// Display events of the running request not yet sent.
     displays: Vec<DisplayData>,
     /// Whether it was asked to preload (once at most, before any code).
@@ -73,7 +76,7 @@ impl Kernel {
 
     /// Reads what is available on the event pipe; returns the exit code of a `done` for
     /// request `want`, if one came.
-    fn read_events(&mut self, buf: &mut [u8], want: Option<u64>) -> Option<i32> {
+    pub(super) fn read_events(&mut self, buf: &mut [u8], want: Option<u64>) -> Option<i32> {
         let Some(fd) = &self.events else { return None };
         // No newline is left before what this read adds: scan only the new bytes, so a
         // long line costs its length, not its length squared over the reads.
@@ -106,6 +109,8 @@ impl Kernel {
                         .nth(MAX_LOG_MESSAGE)
                         .map_or(message.len(), |(i, _)| i);
                     eprintln!("sandbox-runner: kernel: {}", &message[..cut]);
+                } else if ev.event.starts_with("state_") && want.is_some() && ev.id == want {
+                    self.state_reply = Some(ev);
                 } else if ev.event == "done" && want.is_some() && ev.id == want {
                     done = Some(ev.exit_code.unwrap_or(1));
                 } else if ev.event == "display" && want.is_some() && ev.id == want {
@@ -149,8 +154,8 @@ impl Kernel {
 
 /// One line of the kernel's event pipe.
 #[derive(serde::Deserialize)]
-struct KernelEvent {
-    /// `ready`, `display`, `done`, `log` or `preloaded`.
+pub(super) struct KernelEvent {
+    /// `ready`, `display`, `done`, `log`, `preloaded`, `state_saved` or `state_restored`.
     event: String,
     /// The request a `done` answers or a `display` belongs to.
     #[serde(default)]
@@ -170,6 +175,27 @@ struct KernelEvent {
     /// A `log`'s text.
     #[serde(default)]
     message: Option<String>,
+    /// A `state_saved`'s file size.
+    #[serde(default)]
+    pub(super) bytes: Option<u64>,
+    /// A `state_saved`'s count of values pickled.
+    #[serde(default)]
+    pub(super) saved: Option<u32>,
+    /// A `state_saved`'s count of modules recorded.
+    #[serde(default)]
+    pub(super) modules: Option<u32>,
+    /// A `state_saved`'s names left out, `[name, why]` each.
+    #[serde(default)]
+    pub(super) skipped: Option<Vec<Vec<String>>>,
+    /// A `state_restored`'s count of globals restored.
+    #[serde(default)]
+    pub(super) restored: Option<u32>,
+    /// A `state_restored`'s names that failed, `[name, why]` each.
+    #[serde(default)]
+    pub(super) failed: Option<Vec<Vec<String>>>,
+    /// Why a state request did nothing.
+    #[serde(default)]
+    pub(super) error: Option<String>,
 }
 
 impl Worker {
@@ -288,6 +314,7 @@ impl Worker {
             exit: None,
             broken_at: None,
             last_id: 0,
+            state_reply: None,
             displays: Vec::new(),
             preload_requested: false,
             preload_pending: false,
