@@ -236,6 +236,31 @@ async fn names_over_the_size_bound_are_left_out_and_the_next_exec_still_works() 
 }
 
 #[tokio::test]
+async fn a_saved_state_gets_only_the_room_the_storage_budget_leaves() {
+    // 2 MiB a session, of which its file takes 1.5 MiB: the state gets what is left.
+    let broker = idle_broker("state-budget", |c| c.caps.session_storage = 2 << 20).await;
+    let first = broker
+        .run(
+            "py",
+            "import numpy as np\nopen('/mnt/data/data.bin', 'wb').write(b'x' * (3 << 19))\n\
+             big = np.zeros(200_000)\nsmall = [1, 2, 3]",
+            None,
+        )
+        .await;
+    assert_eq!(first["files"].as_array().map(Vec::len), Some(1), "{first}");
+    let s = session(&first);
+    wait_for_removal(&broker, &s).await;
+    let bin = session_root(&broker, &s).join("python-state.bin");
+    assert!(std::fs::metadata(&bin).expect("saved").len() <= 1 << 19);
+    let next = broker
+        .run("py", "print(sum(small), 'big' in globals())", Some(&s))
+        .await;
+    assert_eq!(stdout(&next), "6 False\n", "{next}");
+    assert_eq!(next["runtime_status"], "reused", "{next}");
+    assert!(stderr(&next).contains("big (too large"), "{next}");
+}
+
+#[tokio::test]
 async fn a_state_changed_on_disk_is_refused_and_the_exec_starts_fresh() {
     let broker = idle_broker("state-damaged", |_| {}).await;
     let first = broker.run("py", "x = 'before'", None).await;

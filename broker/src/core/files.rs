@@ -86,7 +86,7 @@ impl Broker {
                 .all()
                 .iter()
                 .filter(|s| s.id() != session.id() && s.meta.user.as_deref() == Some(user))
-                .map(|s| s.index().stored_bytes())
+                .map(|s| s.index().stored_bytes() + s.workspace.saved_state_bytes())
                 .sum();
             let room = limit.saturating_sub(others);
             if room < budget.room {

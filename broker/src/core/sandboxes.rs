@@ -262,7 +262,11 @@ impl Broker {
             return false;
         };
         self.record_eviction(session, reason);
-        let (rules, backend, session) = (self.state_rules(), self.backend.clone(), session.clone());
+        let (rules, backend, session) = (
+            self.state_rules_for(session),
+            self.backend.clone(),
+            session.clone(),
+        );
         tokio::spawn(async move {
             // The session's next exec waits for the save, so that it finds the state.
             state::save_before_removal(rules, &session, &sandbox).await;
@@ -335,7 +339,6 @@ impl Broker {
         let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
         let mut removals = Vec::new();
-        let rules = self.state_rules();
         for session in self.registry.all() {
             if !remove {
                 count += usize::from(session.sandbox().is_some());
@@ -345,6 +348,7 @@ impl Broker {
             let turn = session.try_acquire();
             if let Some(sandbox) = session.set_sandbox(None) {
                 count += 1;
+                let rules = self.state_rules_for(&session);
                 removals.push(async move {
                     if turn.is_some() {
                         state::save_before_removal(rules, &session, &sandbox).await;

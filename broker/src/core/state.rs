@@ -33,8 +33,11 @@ const SAVE_WIND_DOWN: Duration = Duration::from_secs(2);
 pub(crate) struct StateRules {
     /// Whether states are saved and restored at all.
     enabled: bool,
-    /// Largest saved state, in bytes.
+    /// Largest saved state, in bytes: CODEBROKER_STATE_MAX_BYTES, or less when the
+    /// session's storage budget has less room left.
     max_bytes: u64,
+    /// Whether `max_bytes` is the storage budget's room rather than the setting.
+    bounded_by_budget: bool,
     /// The time bound of a save, and of a restore.
     timeout: Duration,
 }
@@ -44,7 +47,21 @@ impl StateRules {
         StateRules {
             enabled: config.enabled(),
             max_bytes: config.state_max_bytes,
+            bounded_by_budget: false,
             timeout: Duration::from_secs(config.state_timeout_secs),
+        }
+    }
+
+    /// What bounds a saved state's size, for notes.
+    fn bound(&self) -> String {
+        if self.bounded_by_budget {
+            format!(
+                "the {} bytes left of the storage budget (CODEBROKER_SESSION_STORAGE, \
+                 CODEBROKER_USER_STORAGE)",
+                self.max_bytes
+            )
+        } else {
+            format!("CODEBROKER_STATE_MAX_BYTES ({} bytes)", self.max_bytes)
         }
     }
 
@@ -176,8 +193,8 @@ fn pull_state(
             answer.bytes
         ))),
         Ok(None) => Err(io::Error::other(format!(
-            "the sandbox sent more than CODEBROKER_STATE_MAX_BYTES ({} bytes)",
-            rules.max_bytes
+            "the sandbox sent more than {}",
+            rules.bound()
         ))),
         Err(err) => Err(err),
     };
@@ -193,10 +210,25 @@ impl Broker {
         StateRules::of(&self.config.state)
     }
 
+    /// The state rules for saving `session`'s state: a saved state counts against the
+    /// storage budgets like the session's files, so it gets at most the room they leave.
+    pub(crate) fn state_rules_for(&self, session: &Session) -> StateRules {
+        let mut rules = self.state_rules();
+        let room = self
+            .storage_budget(session)
+            .room
+            .saturating_sub(session.index().stored_bytes());
+        if room < rules.max_bytes {
+            rules.max_bytes = room;
+            rules.bounded_by_budget = true;
+        }
+        rules
+    }
+
     /// Saves the state of the session's sandbox, then discards the sandbox (see
     /// [`save_before_removal`]). Call it holding the session's turn.
     pub(crate) async fn retire_sandbox(&self, session: &Session, sandbox: &Arc<Sandbox>) {
-        save_before_removal(self.state_rules(), session, sandbox).await;
+        save_before_removal(self.state_rules_for(session), session, sandbox).await;
         self.discard_sandbox(session, sandbox).await;
     }
 

@@ -77,6 +77,11 @@ impl Workspace {
         write_atomic(&self.root.join(STATE_META), &serde_json::to_vec(saved)?)
     }
 
+    /// The size of the saved bytes (0: none), which count against the storage budgets.
+    pub(crate) fn saved_state_bytes(&self) -> u64 {
+        std::fs::metadata(self.state_path()).map_or(0, |m| m.len())
+    }
+
     /// The state saved for the session, if any.
     pub(crate) fn saved_state(&self) -> io::Result<Option<SavedState>> {
         match self.load_meta(STATE_META) {
