@@ -118,7 +118,14 @@ test('JWT: one skill upload serves every user of the tenant, read-only; another 
   // writes into bob's session, not the skill's.
   const mark = proxy.log.length;
   const byBob = await runWith(codeTool({ user: BOB, files: refs, authHeaders: bob }), TAMPER);
-  assert.match(byBob.text, /template TEMPLATE v3\nwrite refused\nremove refused\nmade report\.txt/);
+  // Files moved through the runner (make test-runner-files) are the sandbox user's own, so
+  // a remove succeeds there; the broker then puts the file back and says so.
+  if (process.env.CODEBROKER_FILE_TRANSFER === 'runner') {
+    assert.match(byBob.text, /template TEMPLATE v3\nwrite refused\nremove done\nmade report\.txt/);
+    assert.match(byBob.text, /skills\/report\/template\.txt is a read-only upload; it was put back in \/mnt\/data/);
+  } else {
+    assert.match(byBob.text, /template TEMPLATE v3\nwrite refused\nremove refused\nmade report\.txt/);
+  }
   assert.deepEqual(byBob.made.map((f) => f.name), ['report.txt']);
   assert.notEqual(byBob.session, refs[0].storage_session_id);
   const [sent] = proxy.since(mark).filter((e) => e.url === '/v1/exec');
