@@ -269,6 +269,16 @@ pub(crate) fn content_type(name: &str) -> &'static str {
         Some("xlsx") => "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
         Some("docx") => "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
         Some("pptx") => "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+        Some("doc") => "application/msword",
+        Some("xls") => "application/vnd.ms-excel",
+        Some("ppt") => "application/vnd.ms-powerpoint",
+        Some("odt") => "application/vnd.oasis.opendocument.text",
+        Some("ods") => "application/vnd.oasis.opendocument.spreadsheet",
+        Some("odp") => "application/vnd.oasis.opendocument.presentation",
+        Some("rtf") => "application/rtf",
+        Some("epub") => "application/epub+zip",
+        Some("parquet") => "application/vnd.apache.parquet",
+        Some("tsv") => "text/tab-separated-values",
         _ => "application/octet-stream",
     }
 }
@@ -284,6 +294,22 @@ mod tests {
             download_url("http://127.0.0.1:8000/", "S", "F"),
             "http://127.0.0.1:8000/download/S/F"
         );
+    }
+
+    #[test]
+    fn office_and_document_types_by_extension() {
+        assert_eq!(
+            content_type("deck.PPTX"),
+            "application/vnd.openxmlformats-officedocument.presentationml.presentation"
+        );
+        assert_eq!(
+            content_type("report.odt"),
+            "application/vnd.oasis.opendocument.text"
+        );
+        assert_eq!(content_type("old.xls"), "application/vnd.ms-excel");
+        assert_eq!(content_type("notes.rtf"), "application/rtf");
+        assert_eq!(content_type("book.epub"), "application/epub+zip");
+        assert_eq!(content_type("no-extension"), "application/octet-stream");
     }
 
     #[test]

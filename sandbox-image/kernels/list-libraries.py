@@ -82,12 +82,42 @@ def php_extensions():
     return sorted(exts.values(), key=lambda p: p["name"].lower())
 
 
+def node_packages(root="/node_modules"):
+    """The npm packages at /node_modules that were asked for (the lock's top level), not
+    their dependencies."""
+    import os
+
+    top = os.path.join(root, ".package-lock.json")
+    try:
+        with open(top, encoding="utf-8") as f:
+            lock = json.load(f)
+    except OSError:
+        return []
+    pkgs = []
+    for path, meta in lock.get("packages", {}).items():
+        name = path[len("node_modules/"):] if path.startswith("node_modules/") else None
+        if name and "/node_modules/" not in name and not meta.get("dev") and meta.get("version"):
+            pkgs.append({"name": name, "version": meta["version"]})
+    with open("/node-libraries.json", encoding="utf-8") as f:
+        wanted = set(json.load(f)["dependencies"])
+    return sorted((p for p in pkgs if p["name"] in wanted), key=lambda p: p["name"].lower())
+
+
+def command_line_tools():
+    """The document converters code reaches through a shell (bash, or a subprocess)."""
+    return [
+        {"name": "libreoffice", "version": first_line("soffice", "--version")},
+        {"name": "pandoc", "version": first_line("pandoc", "--version")},
+        {"name": "poppler-utils", "version": first_line("pdftoppm", "-v")},
+    ]
+
+
 def main():
     node = first_line("node", "--version", prefix="Node.js ")
     libs = {
         "py": {"version": "Python " + sys.version.split()[0], "packages": python_packages()},
-        "js": {"version": node, "packages": []},
-        "ts": {"version": first_line("esbuild", "--version", prefix="esbuild ") + f" ({node})", "packages": []},
+        "js": {"version": node, "packages": node_packages()},
+        "ts": {"version": first_line("esbuild", "--version", prefix="esbuild ") + f" ({node})", "packages": node_packages()},
         "c": {"version": first_line("gcc", "--version"), "packages": []},
         "cpp": {"version": first_line("g++", "--version"), "packages": []},
         "java": {"version": first_line("javac", "-version"), "packages": []},
@@ -97,7 +127,7 @@ def main():
         "d": {"version": first_line("gdc", "--version"), "packages": []},
         "f90": {"version": first_line("gfortran", "--version"), "packages": []},
         "r": {"version": first_line("Rscript", "-e", "cat(R.version.string, '\\n')"), "packages": r_packages()},
-        "bash": {"version": first_line("bash", "--version"), "packages": []},
+        "bash": {"version": first_line("bash", "--version"), "packages": command_line_tools()},
     }
     text = json.dumps(libs, indent=2) + "\n"
     if len(sys.argv) > 1:
