@@ -966,8 +966,9 @@ def make_tool_function(func_name, tool, socket_path):
 # priority, and it stops at the first other request the kernel gets (a cell, or the runner's
 # `stop_preload` when the session's first exec is in another language): from then on the
 # session's own code decides what it imports, and a taken container spends no CPU on
-# modules its session may never use. The import under way when it stops runs to its end;
-# a cell that imports that module waits on Python's import lock, as for any import. A
+# modules its session may never use. The import under way when it stops runs to its end,
+# and the request waits for it: a cell running beside an import can meet a module half
+# initialized (Python's answer to two threads importing each other's modules). A
 # fork() (multiprocessing) waits for the import under way to finish, so the child never
 # inherits a half-imported module whose lock belongs to a thread it does not have. A name
 # that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
@@ -1007,6 +1008,14 @@ class Preload:
 
     def stop(self):
         self.stopped = True
+
+    def wait_for_import_under_way(self):
+        """Blocks until the import under way (if any) has ended. A cell must not run beside
+        it: two threads importing modules that import each other (traceback and linecache
+        while pandas loads) get one of them half initialized, since Python breaks such an
+        import deadlock by handing out the partial module."""
+        if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
+            self.importing.release()
 
     def start(self):
         # threading is imported here, in the main thread, so that threading.main_thread() is
@@ -1067,6 +1076,10 @@ class Preload:
                 continue
             try:
                 with self.importing:
+                    # Checked again under the lock: a request that came meanwhile has set
+                    # `stopped` and no longer waits for this import.
+                    if self.stopped:
+                        return
                     __import__(name)
             except BaseException as e:  # whatever a module raises, the kernel goes on
                 self.log("cannot import %s: %s: %s" % (name, type(e).__name__, e))
@@ -1075,6 +1088,8 @@ class Preload:
         if "matplotlib.pyplot" in self.names and "matplotlib.pyplot" in sys.modules:
             try:
                 with self.importing:
+                    if self.stopped:
+                        return
                     warm_up_plotting()
             except BaseException as e:
                 self.log("cannot warm up plotting: %s: %s" % (type(e).__name__, e))
@@ -1797,6 +1812,8 @@ class Kernel:
                         self.preload.stop()  # the session's code decides what it imports now
                     if req.get("type") == "stop_preload":
                         continue  # the runner's, for an exec in another language: no answer
+                    if self.preload is not None:
+                        self.preload.wait_for_import_under_way()
                     if req.get("type") in ("save_state", "restore_state"):
                         self.serve_state(req)
                         continue

@@ -1284,6 +1284,33 @@ def test_preload_stops_at_the_first_request():
         shutil.rmtree(lib, ignore_errors=True)
 
 
+def test_a_cell_waits_for_the_import_under_way_so_no_module_is_half_initialized():
+    # pair_a (preloaded) imports pair_b, which imports pair_a: one thread imports them in
+    # order. A cell that imports pair_b while the preload is inside pair_a would make the
+    # two threads wait for each other, and Python would hand one of them a half
+    # initialized module (pair_b without NAME): AttributeError. The cell waits instead.
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    mark = os.path.join(lib, "importing")
+    try:
+        with open(os.path.join(lib, "pair_a.py"), "w") as f:
+            f.write(
+                "import time\nopen(%r, 'w').close()\ntime.sleep(0.4)\n"
+                "import pair_b\nVALUE = pair_b.NAME + '!'\n" % mark
+            )
+        with open(os.path.join(lib, "pair_b.py"), "w") as f:
+            f.write("import pair_a\nNAME = 'b'\ndef value():\n    return pair_a.VALUE\n")
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            k.preload(["pair_a"])
+            deadline = time.monotonic() + 10
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert os.path.exists(mark), "the preload never started pair_a"
+            assert_ok(k.run("import pair_b\nprint(pair_b.value())"), "b!\n")
+            assert _wait_for_preload(k) is True
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
 def test_a_fork_waits_for_the_import_under_way():
     lib = tempfile.mkdtemp(prefix="cb-preload-")
     mark = os.path.join(lib, "importing")
