@@ -19,6 +19,7 @@ use bollard::query_parameters::{
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -80,6 +81,22 @@ pub(crate) struct DockerBackend {
     /// The `seccomp=` security option every sandbox gets (`None`: the daemon's default),
     /// the profile's JSON read once at start-up.
     seccomp: Option<String>,
+    /// Whether a running sandbox's CPU weight can be changed: false under gVisor, whose
+    /// `runsc` refuses `docker update`, so the pool stops asking (and logging) per container.
+    cpu_weight_settable: AtomicBool,
+}
+
+/// Whether `runtime` (the `HostConfig.Runtime` name) is gVisor's, by its usual names.
+fn is_gvisor(runtime: &str) -> bool {
+    let name = runtime.trim();
+    name.contains("runsc") || name.contains("gvisor")
+}
+
+/// Whether an engine error says the OCI runtime itself refused an update (gVisor's
+/// `runsc` answers `update` with its usage and exit status 128), not that one container
+/// is gone or the engine is busy.
+fn runtime_cannot_update(error: &str) -> bool {
+    error.contains("did not terminate successfully") && error.contains("Cannot update container")
 }
 
 impl DockerBackend {
@@ -102,6 +119,7 @@ impl DockerBackend {
             }
         };
         let seccomp = seccomp_option(&profile.seccomp)?;
+        let profile_runtime = profile.runtime.clone();
         Ok(DockerBackend {
             docker,
             profile,
@@ -109,6 +127,7 @@ impl DockerBackend {
             observer: std::sync::OnceLock::new(),
             host_memory,
             seccomp,
+            cpu_weight_settable: AtomicBool::new(!is_gvisor(&profile_runtime)),
         })
     }
 
@@ -339,11 +358,14 @@ impl DockerBackend {
         Ok(channel.with_heartbeat(heartbeat_every(self.idle_ttl_secs)))
     }
 
-    /// Removes a container, whatever state it is in. Failures are logged: the reconciler
-    /// at the next start removes what is left.
     /// Sets a container's CPU weight ([`LOW_CPU_SHARES`] or [`USUAL_CPU_SHARES`]);
-    /// whether the engine did.
+    /// whether the engine did. Under a runtime that cannot change a running container's
+    /// resources (gVisor's `runsc` has no `update`), nothing is asked and the answer is
+    /// `false`: pooled sandboxes then preload at the usual weight.
     pub(crate) async fn set_cpu_weight(&self, id: &str, weight: CpuWeight) -> bool {
+        if !self.cpu_weight_settable.load(Ordering::Relaxed) {
+            return false;
+        }
         let shares = match weight {
             CpuWeight::Low => LOW_CPU_SHARES,
             CpuWeight::Usual => USUAL_CPU_SHARES,
@@ -354,6 +376,12 @@ impl DockerBackend {
         };
         match self.docker.update_container(id, body).await {
             Ok(_) => true,
+            Err(err) if runtime_cannot_update(&err.to_string()) => {
+                // The runtime, not this container: asking again would fail the same way.
+                self.cpu_weight_settable.store(false, Ordering::Relaxed);
+                tracing::info!(runtime = %self.profile.runtime.trim(), "the sandbox runtime cannot change a running container's CPU weight: pooled sandboxes preload at the usual weight");
+                false
+            }
             Err(err) => {
                 self.failed("update");
                 tracing::warn!(container = %short(id), ?weight, error = %err, "cannot set the CPU weight of a sandbox");
@@ -361,6 +389,9 @@ impl DockerBackend {
             }
         }
     }
+
+    /// Removes a container, whatever state it is in. Failures are logged: the reconciler
+    /// at the next start removes what is left.
 
     pub(crate) async fn remove(&self, id: &str) {
         let options = RemoveContainerOptionsBuilder::new()
@@ -620,6 +651,50 @@ mod tests {
             idle_ttl_secs: config.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             host_memory: None,
+            cpu_weight_settable: AtomicBool::new(true),
+        }
+    }
+
+    #[test]
+    fn gvisor_is_known_by_its_runtime_name_and_by_its_refusal_to_update() {
+        assert!(is_gvisor(" runsc "));
+        assert!(is_gvisor("runsc-kvm"));
+        assert!(!is_gvisor(""));
+        assert!(!is_gvisor("runc"));
+        // What Docker 20.10 answers when runsc is asked to update a container.
+        let refused = "Docker responded with status code 500: Cannot update container e6b7: \
+            /var/lib/docker/runtimes/runsc did not terminate successfully: exit status 128: \
+            Usage: runsc <flags> <subcommand> <subcommand args>";
+        assert!(runtime_cannot_update(refused));
+        let gone = "Docker responded with status code 404: No such container: e6b7";
+        assert!(!runtime_cannot_update(gone));
+    }
+
+    #[tokio::test]
+    async fn under_gvisor_the_cpu_weight_is_left_alone_without_asking_the_engine() {
+        let mut config = Config::for_tests("/data".into(), "t");
+        config.sandbox.runtime = "runsc".into();
+        let mut docker = backend(config);
+        docker.cpu_weight_settable = AtomicBool::new(!is_gvisor(&docker.profile.runtime));
+        // No such container: had the engine been asked, the failure would be counted.
+        let counted = Arc::new(CountingObserver::default());
+        let _ = docker.observer.set(counted.clone());
+        assert!(
+            !docker
+                .set_cpu_weight("no-such-container", CpuWeight::Low)
+                .await
+        );
+        assert_eq!(counted.errors.load(Ordering::SeqCst), 0);
+    }
+
+    #[derive(Default)]
+    struct CountingObserver {
+        errors: std::sync::atomic::AtomicUsize,
+    }
+
+    impl EngineObserver for CountingObserver {
+        fn api_error(&self, _op: &str) {
+            self.errors.fetch_add(1, Ordering::SeqCst);
         }
     }
 
