@@ -392,7 +392,6 @@ impl DockerBackend {
 
     /// Removes a container, whatever state it is in. Failures are logged: the reconciler
     /// at the next start removes what is left.
-
     pub(crate) async fn remove(&self, id: &str) {
         let options = RemoveContainerOptionsBuilder::new()
             .force(true)
