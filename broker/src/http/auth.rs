@@ -345,15 +345,23 @@ fn decode_basic(encoded: &str) -> Result<String, &'static str> {
 /// The tenant of the key HTTP Basic credentials carry, whichever part holds it: all of
 /// them (`key`, as node-fetch 2 sends a base URL's `key@`), the user name (`key:`, as
 /// axios sends it) or the password (`:key`, `user:key`). Every part is compared with
-/// every key; parts that name two different keys are refused.
+/// every key; parts that name two different keys are refused. Each part is also compared
+/// percent-decoded: the userinfo of a URL is percent-encoded (`https://a%2Fb@host`), and
+/// some clients send it as written (axios), others decoded (node-fetch 2).
 fn basic_key(config: &crate::config::Config, credentials: &str) -> Result<Tenant, String> {
     let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
     let mut found = None;
     let mut ambiguous = false;
     for part in [credentials, user, password] {
-        if let Some(index) = matching_key(config.access.api_keys(), part) {
-            ambiguous |= found.is_some_and(|f| f != index);
-            found = Some(index);
+        let decoded = percent_encoding::percent_decode_str(part)
+            .decode_utf8()
+            .ok()
+            .filter(|d| d != part);
+        for candidate in std::iter::once(part).chain(decoded.as_deref()) {
+            if let Some(index) = matching_key(config.access.api_keys(), candidate) {
+                ambiguous |= found.is_some_and(|f| f != index);
+                found = Some(index);
+            }
         }
     }
     match found {
@@ -561,6 +569,20 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, "basic a2V5LW9uZTo".parse().unwrap());
         assert_eq!(basic_tenant(&config, &h), Ok(one));
+    }
+
+    #[test]
+    fn a_percent_encoded_key_in_the_credentials_is_found() {
+        let mut config = crate::config::Config::for_tests("/tmp".into(), "t");
+        config.access.api_key = vec!["a/b=c@d:e".into()];
+        let key = Ok(Tenant::of_key("a/b=c@d:e"));
+        // As axios sends `https://a%2Fb%3Dc%40d%3Ae@host` (encoded) and as node-fetch 2
+        // sends it (decoded: the key then spans the user name and the password).
+        assert_eq!(basic_tenant(&config, &basic(b"a%2Fb%3Dc%40d%3Ae:")), key);
+        assert_eq!(basic_tenant(&config, &basic(b"a/b=c@d:e")), key);
+        assert_eq!(basic_tenant(&config, &basic(b"user:a%2Fb%3Dc%40d%3Ae")), key);
+        // Not a way around the comparison: a wrong key stays wrong, decoded or not.
+        assert!(basic_tenant(&config, &basic(b"a%2Fb%3Dc%40d%3Af:")).is_err());
     }
 
     #[test]
