@@ -1,6 +1,6 @@
 //! Python state across sandboxes, against Docker and the real image: a session's variables
-//! survive the removal of its container (idle TTL, eviction under the live cap), what
-//! cannot be pickled is named in the next exec's stderr, the saved state is the session's
+//! survive the removal of its container (idle TTL, single-use TTL, eviction under the live
+//! cap), what cannot be pickled is named in the next exec's stderr, the saved state is the session's
 //! alone and never in its workspace, the size bound leaves names out without breaking the
 //! next exec, a damaged state is refused, and the setting turns it all off. Runs with either
 //! file path (`CODEBROKER_FILE_TRANSFER`): the state always moves through the runner.
@@ -121,6 +121,32 @@ async fn a_dataframe_a_model_arrays_and_an_object_survive_an_idle_removal() {
     let files = broker.get(&format!("/files/{s}")).await;
     let listed = files.text().await.unwrap_or_default();
     assert!(!listed.contains("python-state"), "{listed}");
+}
+
+#[tokio::test]
+async fn a_session_used_once_keeps_its_variables_past_the_single_use_ttl() {
+    // The idle TTL is far away: only the single-use rule removes this container.
+    let broker = TestBroker::start_with("state-single", |c| {
+        c.idle_ttl_secs = 600;
+        c.single_use_ttl_secs = 1;
+        c.reap_interval_secs = 1;
+    })
+    .await;
+    let once = broker
+        .run(
+            "py",
+            "import pandas as pd\nframe = pd.DataFrame({'n': [1, 2, 3]})",
+            None,
+        )
+        .await;
+    assert_eq!(once["exit_code"], 0, "{once}");
+    let s = session(&once);
+    wait_for_removal(&broker, &s).await;
+    let back = broker
+        .run("py", "print(int(frame['n'].sum()), pd.__name__)", Some(&s))
+        .await;
+    assert_eq!(stdout(&back), "6 pandas\n", "{back}");
+    assert_eq!(back["runtime_status"], "reused", "{back}");
 }
 
 #[tokio::test]

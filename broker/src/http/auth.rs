@@ -580,7 +580,10 @@ mod tests {
         // sends it (decoded: the key then spans the user name and the password).
         assert_eq!(basic_tenant(&config, &basic(b"a%2Fb%3Dc%40d%3Ae:")), key);
         assert_eq!(basic_tenant(&config, &basic(b"a/b=c@d:e")), key);
-        assert_eq!(basic_tenant(&config, &basic(b"user:a%2Fb%3Dc%40d%3Ae")), key);
+        assert_eq!(
+            basic_tenant(&config, &basic(b"user:a%2Fb%3Dc%40d%3Ae")),
+            key
+        );
         // Not a way around the comparison: a wrong key stays wrong, decoded or not.
         assert!(basic_tenant(&config, &basic(b"a%2Fb%3Dc%40d%3Af:")).is_err());
     }
