@@ -3,12 +3,14 @@
 pub(crate) mod backend;
 pub(crate) mod channel;
 pub(crate) mod docker;
+pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
 
-pub(crate) use backend::{SandboxBackend, SandboxFiles};
+pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
 pub(crate) use docker::{DockerBackend, OwnContainer};
+pub(crate) use kubernetes::KubernetesBackend;
 
 use sandbox_runner::{ExecRequest, ExecResponse, JobId, ToolResult, WorkerMessage};
 
