@@ -7,6 +7,8 @@
 //! the broker's store at its first exec. The image is pulled by the kubelet, so the
 //! broker never checks for it.
 
+#[cfg(test)]
+mod attach_tests;
 mod pod_spec;
 mod pod_state;
 #[cfg(test)]
@@ -261,12 +263,21 @@ impl KubernetesBackend {
         // The attach's task ends with the channel: dropping the output stream (the
         // channel's reader) aborts it, so a forgotten channel holds no connection.
         let held = AbortOnDrop(attached);
-        let output = tokio_util::io::ReaderStream::new(output).map(move |chunk| {
-            let _ = &held;
-            chunk
-                .map(AttachOutput::Stdout)
-                .map_err(|e| format!("the attach stream broke: {e}"))
-        });
+        let output = tokio_util::io::ReaderStream::new(output)
+            .map(move |chunk| {
+                let _ = &held;
+                chunk
+                    .map(AttachOutput::Stdout)
+                    .map_err(|e| format!("the pod's attach stream broke: {e}"))
+            })
+            // The stream ends when the pod does, is deleted, or loses its node: said so.
+            .chain(futures::stream::once(async {
+                Err(
+                    "the pod's attach stream ended (the pod ended, was deleted, or lost \
+                     its node)"
+                        .to_string(),
+                )
+            }));
         let channel = RunnerChannel::new(name.to_string(), output, Box::pin(input));
         Ok(channel.with_heartbeat(heartbeat_every(self.settings.idle_ttl_secs)))
     }
