@@ -50,10 +50,10 @@ const OOM_EVENT_WAIT: Duration = Duration::from_secs(2);
 /// The exit code of a container whose init was killed with SIGKILL (128 + 9).
 const EXIT_SIGKILL: i64 = 137;
 
-/// A container of ours found on the engine.
+/// A sandbox of ours found on the engine (a container, or a pod).
 #[derive(Debug, Clone)]
 pub(crate) struct OwnContainer {
-    /// Docker's id.
+    /// The backend's id: a Docker container id, or a pod name.
     pub(crate) id: String,
     /// The session label, if it has one.
     pub(crate) session: Option<String>,
