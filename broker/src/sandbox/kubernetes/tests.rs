@@ -1,3 +1,4 @@
+// Over 600 lines: one test per API call and per answer, with the fixtures they share.
 //! Request-level tests of every API call the backend makes, against a mocked API server
 //! (`tower_test`): what is sent (the pod spec, selectors, deletes, watches) and how each
 //! answer is taken (running, failed, evicted, 403, 404, 409, 410 Gone, an unreachable
