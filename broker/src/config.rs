@@ -29,6 +29,17 @@ pub struct Config {
     #[command(flatten)]
     pub sandbox: SandboxProfile,
 
+    /// Where sandboxes run: `docker` (containers on the Docker engine beside the broker)
+    /// or `kubernetes` (one pod per session through the Kubernetes API, settings
+    /// CODEBROKER_K8S_*; files always move through the runner, as the broker cannot see
+    /// a pod's disk).
+    #[arg(long, env = "CODEBROKER_BACKEND", default_value = "docker", value_enum)]
+    pub backend: BackendKind,
+
+    /// The Kubernetes backend: namespace, runtime class, readiness bound, mode.
+    #[command(flatten)]
+    pub kubernetes: KubernetesConfig,
+
     /// Wall-time limit of an exec when the request names none, in milliseconds.
     #[arg(long, env = "CODEBROKER_EXEC_TIMEOUT_MS", default_value_t = 30_000, value_parser = millis())]
     pub exec_timeout_ms: u64,
@@ -283,7 +294,8 @@ pub struct SandboxProfile {
     /// How files move between the broker and a sandbox: `host` reads and writes the
     /// sandbox's mounted workspace directory on this host (symlink-safe, beneath-only),
     /// `runner` goes through the sandbox's runner over its channel and never touches that
-    /// directory (the path of a backend whose sandboxes run on other machines).
+    /// directory (the path of a backend whose sandboxes run on other machines). Under
+    /// CODEBROKER_BACKEND=kubernetes always `runner`: the broker cannot see a pod's disk.
     #[arg(
         long,
         env = "CODEBROKER_FILE_TRANSFER",
@@ -291,6 +303,56 @@ pub struct SandboxProfile {
         value_enum
     )]
     pub file_transfer: FileTransfer,
+}
+
+/// Where sandboxes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// Containers on the Docker engine beside the broker.
+    Docker,
+    /// One pod per session through the Kubernetes API.
+    Kubernetes,
+}
+
+/// The Kubernetes backend (CODEBROKER_BACKEND=kubernetes): where its pods go and how long
+/// one may take to start. The pods get the sandbox profile's image, limits and lockdown.
+#[derive(Debug, Clone, clap::Args)]
+pub struct KubernetesConfig {
+    /// Namespace of the sandbox pods. Unset: the broker's own namespace when it runs in
+    /// a pod (its service account's `namespace` file), else `codebroker`.
+    #[arg(long, env = "CODEBROKER_K8S_NAMESPACE")]
+    pub k8s_namespace: Option<String>,
+
+    /// `runtimeClassName` of the sandbox pods, e.g. `gvisor` (a RuntimeClass the cluster
+    /// defines); empty: the cluster's default runtime.
+    #[arg(long, env = "CODEBROKER_K8S_RUNTIME_CLASS", default_value = "")]
+    pub k8s_runtime_class: String,
+
+    /// Seconds a new sandbox pod may take to be running and attached (scheduling and the
+    /// image pull included); a pod that is not is deleted, and the request that waited
+    /// for it gets 503 with the reason.
+    #[arg(
+        long,
+        env = "CODEBROKER_K8S_READY_TIMEOUT_SECS",
+        default_value_t = 120,
+        value_parser = clap::value_parser!(u64).range(1..=3600)
+    )]
+    pub k8s_ready_timeout_secs: u64,
+
+    /// How sandboxes are made on Kubernetes: `pods` (the broker creates one pod per
+    /// session) or `agent-sandbox` (claims against kubernetes-sigs/agent-sandbox; not
+    /// built yet, refused at start).
+    #[arg(long, env = "CODEBROKER_K8S_MODE", default_value = "pods", value_enum)]
+    pub k8s_mode: KubernetesMode,
+}
+
+/// CODEBROKER_K8S_MODE: how the Kubernetes backend gets its sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KubernetesMode {
+    /// One pod per session, created and deleted by the broker.
+    Pods,
+    /// `SandboxClaim`s against a `SandboxTemplate` of kubernetes-sigs/agent-sandbox.
+    AgentSandbox,
 }
 
 /// Python state across sandboxes: what a session's kernel holds when its container is
@@ -630,6 +692,31 @@ pub struct CodeModeConfig {
     pub codemode_timeout_ms: u64,
 }
 
+/// Whether `text` may be a Kubernetes label value (empty aside): at most 63 characters of
+/// `[A-Za-z0-9-_.]`, beginning and ending with a letter or digit.
+pub(crate) fn is_label_value(text: &str) -> bool {
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    !text.is_empty()
+        && text.len() <= 63
+        && alnum(text.chars().next())
+        && alnum(text.chars().last())
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// Whether `text` is a DNS label (RFC 1123), what namespace names are.
+fn is_dns_label(text: &str) -> bool {
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    !text.is_empty()
+        && text.len() <= 63
+        && alnum(text.chars().next())
+        && alnum(text.chars().last())
+        && text
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+}
+
 /// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
 /// without `iB`/`B`; all powers of 1024).
 pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
@@ -796,6 +883,46 @@ impl Config {
         }
         if !(self.public_url.starts_with("http://") || self.public_url.starts_with("https://")) {
             return Err("CODEBROKER_PUBLIC_URL must start with http:// or https://".into());
+        }
+        if self.backend == BackendKind::Kubernetes {
+            self.validate_kubernetes()?;
+        }
+        Ok(())
+    }
+
+    /// Checks the settings the Kubernetes backend needs: names it puts in labels must be
+    /// label values, and what it cannot do is refused rather than ignored.
+    fn validate_kubernetes(&self) -> Result<(), String> {
+        if self.kubernetes.k8s_mode == KubernetesMode::AgentSandbox {
+            return Err(
+                "CODEBROKER_K8S_MODE=agent-sandbox is not built yet: use pods (the default)".into(),
+            );
+        }
+        if !is_label_value(&self.sandbox.instance) {
+            return Err(format!(
+                "CODEBROKER_INSTANCE {:?} is not a Kubernetes label value (at most 63 of \
+                 [A-Za-z0-9-_.], beginning and ending with a letter or digit)",
+                self.sandbox.instance
+            ));
+        }
+        if self.sandbox.sandbox_uid == 0 {
+            return Err(
+                "CODEBROKER_SANDBOX_UID must not be 0: sandbox pods run as non-root".into(),
+            );
+        }
+        // Empty (a blank line in an env file): unset.
+        if let Some(namespace) = self
+            .kubernetes
+            .k8s_namespace
+            .as_ref()
+            .filter(|n| !n.trim().is_empty())
+        {
+            if !is_dns_label(namespace) {
+                return Err(format!(
+                    "CODEBROKER_K8S_NAMESPACE {namespace:?} is not a namespace name \
+                     (at most 63 of [a-z0-9-], beginning and ending with a letter or digit)"
+                ));
+            }
         }
         Ok(())
     }
@@ -982,6 +1109,48 @@ mod tests {
         assert!(Config::try_parse_from(["codebroker", "--memory-mb", "1"]).is_err());
         assert!(Config::try_parse_from(["codebroker", "--exec-timeout-ms", "0"]).is_err());
         assert!(Config::try_parse_from(["codebroker", "--max-body-mb", "0"]).is_err());
+    }
+
+    #[test]
+    fn kubernetes_settings_are_checked_at_start() {
+        let defaults = Config::try_parse_from(["codebroker"]).expect("defaults parse");
+        assert_eq!(defaults.backend, BackendKind::Docker);
+        assert_eq!(defaults.kubernetes.k8s_mode, KubernetesMode::Pods);
+        assert_eq!(defaults.kubernetes.k8s_ready_timeout_secs, 120);
+        assert_eq!(defaults.kubernetes.k8s_namespace, None);
+        assert_eq!(defaults.kubernetes.k8s_runtime_class, "");
+        let check = |extra: &[&str]| {
+            let mut args = vec!["codebroker", "--auth", "none", "--backend", "kubernetes"];
+            args.extend_from_slice(extra);
+            Config::try_parse_from(args).expect("parses").validate()
+        };
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&["--k8s-namespace", "sandboxes"]), Ok(()));
+        assert_eq!(check(&["--k8s-namespace", ""]), Ok(()));
+        let err = check(&["--k8s-mode", "agent-sandbox"]).expect_err("not built");
+        assert!(err.contains("not built yet"), "{err}");
+        let err = check(&["--instance", "my broker"]).expect_err("not a label");
+        assert!(err.contains("CODEBROKER_INSTANCE"), "{err}");
+        let err = check(&["--sandbox-uid", "0"]).expect_err("root");
+        assert!(err.contains("non-root"), "{err}");
+        let err = check(&["--k8s-namespace", "Sandboxes"]).expect_err("not a name");
+        assert!(err.contains("CODEBROKER_K8S_NAMESPACE"), "{err}");
+        // Docker never looks at them.
+        let docker =
+            Config::try_parse_from(["codebroker", "--auth", "none", "--instance", "my broker"]);
+        assert_eq!(docker.expect("parses").validate(), Ok(()));
+        assert!(Config::try_parse_from(["codebroker", "--k8s-ready-timeout-secs", "0"]).is_err());
+        assert!(Config::try_parse_from(["codebroker", "--backend", "podman"]).is_err());
+    }
+
+    #[test]
+    fn label_values_follow_kubernetes_rules() {
+        for good in ["codebroker", "a", "a.b_c-d", "A1", &"x".repeat(63)] {
+            assert!(is_label_value(good), "{good}");
+        }
+        for bad in ["", "-a", "a-", "_a", "a b", "a/b", "ä", &"x".repeat(64)] {
+            assert!(!is_label_value(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -24,8 +24,8 @@ mod workspace;
 pub use crate::core::Broker;
 pub use mcp::codemode;
 
-use crate::config::Config;
-use crate::sandbox::DockerBackend;
+use crate::config::{BackendKind, Config, FileTransfer};
+use crate::sandbox::{DockerBackend, KubernetesBackend, SandboxBackend};
 use anyhow::Context;
 use std::future::Future;
 use std::sync::Arc;
@@ -33,8 +33,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-/// Connects to Docker, prepares the data directory and re-attaches to this instance's
-/// containers: everything `run` needs, ready to serve.
+/// Connects to the sandbox backend (Docker or Kubernetes), prepares the data directory
+/// and re-attaches to this instance's sandboxes: everything `run` needs, ready to serve.
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
@@ -47,6 +47,15 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         );
     }
     let mut config = config;
+    if config.backend == BackendKind::Kubernetes
+        && config.sandbox.file_transfer != FileTransfer::Runner
+    {
+        tracing::info!(
+            "CODEBROKER_BACKEND=kubernetes: files move through the runner \
+             (CODEBROKER_FILE_TRANSFER=runner); the broker cannot see a pod's disk"
+        );
+        config.sandbox.file_transfer = FileTransfer::Runner;
+    }
     // Only the broker reads its data: sessions/ and staging/ are 0700 from the start.
     for dir in ["sessions", "staging"] {
         let dir = config.data_dir.join(dir);
@@ -64,15 +73,31 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", config.data_dir.display()))?;
     let config = Arc::new(config);
-    let docker = DockerBackend::connect(config.sandbox.clone(), config.idle_ttl_secs).await?;
-    if !docker.image_present().await {
-        tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
-    }
-    let broker = Arc::new(Broker::new(config, Arc::new(docker)));
+    let backend: Arc<dyn SandboxBackend> = match config.backend {
+        BackendKind::Docker => {
+            let docker =
+                DockerBackend::connect(config.sandbox.clone(), config.idle_ttl_secs).await?;
+            if !docker.image_present().await {
+                tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
+            }
+            Arc::new(docker)
+        }
+        BackendKind::Kubernetes => {
+            if config.caps.max_containers == config::ContainerCap::Auto {
+                tracing::warn!(
+                    sandboxes = config::AUTO_CONTAINERS_MIN,
+                    "CODEBROKER_MAX_CONTAINERS=auto cannot see the cluster's nodes and allows \
+                     its minimum; set the number of sandbox pods the cluster holds"
+                );
+            }
+            Arc::new(KubernetesBackend::connect(&config).await?)
+        }
+    };
+    let broker = Arc::new(Broker::new(config, backend));
     broker
         .reconcile()
         .await
-        .context("cannot reconcile containers")?;
+        .context("cannot reconcile sandboxes")?;
     Ok(broker)
 }
 

@@ -6,7 +6,7 @@ use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::{state, Broker};
 use crate::ids::is_valid_id;
-use crate::sandbox::{docker::short, CpuWeight, Sandbox, Warmup};
+use crate::sandbox::{docker::short, CpuWeight, Sandbox, SandboxUnavailable, Warmup};
 use crate::session::evict::{self, Reason};
 use crate::session::pool::Pooled;
 use crate::session::registry::META_FILE;
@@ -56,7 +56,7 @@ impl Broker {
         drop(cold);
         let sandbox = created.map_err(|e| {
             tracing::error!(session = session.id(), error = ?e, "cannot start a sandbox");
-            Error::Unavailable("cannot start a sandbox right now; try again".into())
+            start_failure(&e)
         })?;
         let sandbox = Arc::new(sandbox);
         session.set_sandbox(Some(sandbox.clone()));
@@ -389,5 +389,51 @@ impl Broker {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         tracing::warn!("session containers are still being removed");
+    }
+}
+
+/// What a client reads when no sandbox could be started: 503, with the reason when the
+/// backend gave one meant for clients (an orchestrator refusing or down, a pod that did
+/// not start); anything else stays in the log.
+fn start_failure(err: &anyhow::Error) -> Error {
+    match err
+        .chain()
+        .find_map(|c| c.downcast_ref::<SandboxUnavailable>())
+    {
+        Some(why) => Error::Unavailable(format!(
+            "cannot start a sandbox right now: {why}; try again"
+        )),
+        None => Error::Unavailable("cannot start a sandbox right now; try again".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn a_start_failure_says_the_backends_reason_for_clients_only() {
+        let refused = anyhow::Error::new(SandboxUnavailable(
+            "the Kubernetes API server refused to create the sandbox pod (403 Forbidden)".into(),
+        ))
+        .context("creating");
+        let Error::Unavailable(message) = start_failure(&refused) else {
+            panic!("not a 503");
+        };
+        assert_eq!(
+            message,
+            "cannot start a sandbox right now: the Kubernetes API server refused to create \
+             the sandbox pod (403 Forbidden); try again"
+        );
+        let fault = Err::<(), _>(anyhow::anyhow!(
+            "docker create failed: /var/run/docker.sock"
+        ))
+        .context("more")
+        .expect_err("an error");
+        let Error::Unavailable(message) = start_failure(&fault) else {
+            panic!("not a 503");
+        };
+        assert_eq!(message, "cannot start a sandbox right now; try again");
     }
 }

@@ -24,6 +24,14 @@ pub(crate) trait EngineObserver: Send + Sync {
     fn api_error(&self, op: &str);
 }
 
+/// Why a sandbox cannot be had now, in words a client may read: an orchestrator that
+/// refuses the broker (RBAC) or cannot be reached, a sandbox that did not start in time.
+/// The core answers such a failure with 503 and this reason; other failures of a backend
+/// stay in the log.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct SandboxUnavailable(pub(crate) String);
+
 /// Where a session's files are: its workspace (the broker's index and blob store; on
 /// Docker also the directory the sandbox mounts) and its live sandbox, if it has one.
 #[derive(Clone)]

@@ -51,10 +51,10 @@ const OOM_EVENT_WAIT: Duration = Duration::from_secs(2);
 /// The exit code of a container whose init was killed with SIGKILL (128 + 9).
 const EXIT_SIGKILL: i64 = 137;
 
-/// A container of ours found on the engine.
+/// A sandbox of ours found on the engine (a container, or a pod).
 #[derive(Debug, Clone)]
 pub(crate) struct OwnContainer {
-    /// Docker's id.
+    /// The backend's id: a Docker container id, or a pod name.
     pub(crate) id: String,
     /// The session label, if it has one.
     pub(crate) session: Option<String>,
@@ -604,7 +604,7 @@ fn fsize_bytes(c: &SandboxProfile) -> i64 {
 /// least [`MIN_UNATTENDED`] (a TTL of 0 removes idle containers at once; heartbeats still
 /// come). The floor is four heartbeats at the slowest rate any broker beats, so a container
 /// re-attached by a broker with another TTL is never left to time out between beats.
-fn unattended_exit_ms(idle_ttl_secs: u64) -> u64 {
+pub(super) fn unattended_exit_ms(idle_ttl_secs: u64) -> u64 {
     idle_ttl_secs
         .saturating_mul(1000)
         .max(MIN_UNATTENDED.as_millis() as u64)
@@ -616,7 +616,7 @@ const MIN_UNATTENDED: Duration = Duration::from_secs(20);
 /// How often the broker tells each runner it is there: four times within the runner's
 /// unattended limit, and at least every 5 s, so a broker restarted with a longer TTL still
 /// beats often enough for the containers it re-attaches to.
-fn heartbeat_every(idle_ttl_secs: u64) -> Duration {
+pub(super) fn heartbeat_every(idle_ttl_secs: u64) -> Duration {
     Duration::from_millis(unattended_exit_ms(idle_ttl_secs) / 4).min(Duration::from_secs(5))
 }
 

@@ -1,18 +1,22 @@
-//! The container side: one sandbox per session, reached over its runner channel.
+//! The sandbox side: one sandbox per session (a Docker container or a Kubernetes pod),
+//! reached over its runner channel.
 
 pub(crate) mod backend;
 pub(crate) mod channel;
 pub(crate) mod docker;
+pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
 
-pub(crate) use backend::{SandboxBackend, SandboxFiles};
+pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
 pub(crate) use docker::{DockerBackend, OwnContainer};
+pub(crate) use kubernetes::KubernetesBackend;
 
 use sandbox_runner::{ExecRequest, ExecResponse, JobId, ToolResult, WorkerMessage};
 
-/// Labels every container of ours carries; a restarted broker finds its containers by them.
+/// Labels every sandbox of ours carries (container or pod); a restarted broker finds its
+/// sandboxes by them.
 pub(crate) mod labels {
     /// The broker instance that owns the container.
     pub(crate) const INSTANCE: &str = "codebroker.instance";
@@ -41,9 +45,10 @@ pub(crate) enum CpuWeight {
     Usual,
 }
 
-/// A started container with its runner attached.
+/// A started sandbox (a container, a pod) with its runner attached.
 pub(crate) struct Sandbox {
-    /// Docker's id of the container, for removal and logs.
+    /// The backend's id of the sandbox (a Docker container id, a pod name), for removal
+    /// and logs.
     pub(crate) container_id: String,
     /// The attached stdio of the runner.
     channel: RunnerChannel,

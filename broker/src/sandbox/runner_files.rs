@@ -394,6 +394,44 @@ pub(crate) fn apply_pending(
     Ok((changed, notes))
 }
 
+/// Places every current file of `index` that the sandbox lacks, from the broker's store:
+/// for a sandbox whose workspace starts empty (a new pod of a session that has files).
+/// Placed files get their stamps in `index`. Returns whether the index changed, and a
+/// note per file that could not be placed.
+pub(crate) fn restore_missing(
+    workspace: &Workspace,
+    sandbox: &Sandbox,
+    index: &mut FileIndex,
+) -> io::Result<(bool, Vec<String>)> {
+    let (listed, truncated) = RunnerFiles { sandbox }.list()?;
+    if truncated {
+        // Not every file was listed: whatever is missing cannot be told apart.
+        return Ok((false, Vec::new()));
+    }
+    let present: HashSet<String> = listed.into_iter().map(|(name, _)| name).collect();
+    let missing: Vec<FileRecord> = index
+        .current_records()
+        .filter(|r| !present.contains(&r.name))
+        .cloned()
+        .collect();
+    let mut changed = false;
+    let mut notes = Vec::new();
+    for record in missing {
+        let blob = workspace.blob_path(&record.sha256);
+        match write_blob(sandbox, &blob, &record.name, record.read_only) {
+            Ok(stamp) => {
+                index.set_stamp(&record.id, stamp);
+                changed = true;
+            }
+            Err(err) => notes.push(format!(
+                "{:?} could not be put back in /mnt/data: {err}",
+                record.name
+            )),
+        }
+    }
+    Ok((changed, notes))
+}
+
 fn load_pending(workspace: &Workspace) -> io::Result<Vec<Pending>> {
     match workspace.load_meta(PENDING_FILE) {
         Ok(pending) => Ok(pending),
@@ -571,5 +609,85 @@ mod tests {
             [Pending::Remove { name, stamp }] if name == "b" && *stamp == placed));
         // The broker never looked at the sandbox's directory.
         assert!(!ws.files_dir().exists());
+    }
+
+    /// A new pod's workspace starts empty: the session's current files it lacks are put
+    /// back from the store, those it has are left alone, and old versions never go back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fresh_sandbox_gets_back_the_current_files_it_lacks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = Workspace::new(dir.path(), "s");
+        std::fs::create_dir_all(ws.blob_path("x").parent().expect("blobs")).expect("blobs");
+        std::fs::write(ws.blob_path("aaa"), b"kept").expect("blob");
+        std::fs::write(ws.blob_path("bbb"), b"gone from the pod").expect("blob");
+        let mut index = FileIndex::default();
+        let mut old = record("out/report.csv", "ccc", Stamp::default());
+        old.id = "old".into();
+        index.push_current(old);
+        let mut kept = record("kept.txt", "aaa", Stamp::default());
+        kept.id = "kept".into();
+        index.push_current(kept);
+        let mut gone = record("out/report.csv", "bbb", Stamp::default());
+        gone.id = "gone".into();
+        gone.read_only = true;
+        index.push_current(gone);
+        let written = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = written.clone();
+        let sandbox = fake_sandbox(move |msg| match msg {
+            CoordinatorMessage::ListFiles(_) => WorkerMessage::FileList(FileList {
+                files: vec![listed("kept.txt")],
+                truncated: false,
+            }),
+            CoordinatorMessage::WriteFile(req) => {
+                log.lock()
+                    .expect("log")
+                    .push((req.name, req.data.len(), req.read_only));
+                WorkerMessage::FileWritten(sandbox_runner::files::FileWritten {
+                    stamp: FileStamp {
+                        ino: 42,
+                        size: 17,
+                        ctime: 1,
+                        ctime_nsec: 0,
+                    },
+                })
+            }
+            _ => WorkerMessage::FileRemoved(sandbox_runner::FileRemoved { removed: false }),
+        });
+        let (changed, notes, index) = tokio::task::spawn_blocking(move || {
+            let (changed, notes) = restore_missing(&ws, &sandbox, &mut index).expect("restored");
+            (changed, notes, index)
+        })
+        .await
+        .expect("task");
+        assert!(changed);
+        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(
+            *written.lock().expect("written"),
+            [("out/report.csv".to_string(), 17, true)]
+        );
+        assert_eq!(index.get("gone").map(|r| r.stamp.ino), Some(42));
+        assert_eq!(index.get("kept").map(|r| r.stamp), Some(Stamp::default()));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_truncated_listing_restores_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = Workspace::new(dir.path(), "s");
+        let mut index = FileIndex::default();
+        index.push_current(record("a.txt", "aaa", Stamp::default()));
+        let sandbox = fake_sandbox(|_| {
+            WorkerMessage::FileList(FileList {
+                files: Vec::new(),
+                truncated: true,
+            })
+        });
+        let changed = tokio::task::spawn_blocking(move || {
+            restore_missing(&ws, &sandbox, &mut index)
+                .expect("listed")
+                .0
+        })
+        .await
+        .expect("task");
+        assert!(!changed);
     }
 }

@@ -1,0 +1,550 @@
+//! Sandboxes as Kubernetes pods (CODEBROKER_BACKEND=kubernetes): one pod per session in
+//! one namespace, from the sandbox image, its runner reached by attaching to the pod's
+//! stdin and stdout through the API server (the same frames as over Docker's attach).
+//!
+//! The broker cannot see a pod's disk: files always move through the runner
+//! (`super::runner_files`), and a new pod of a session that has files gets them back from
+//! the broker's store at its first exec. The image is pulled by the kubelet, so the
+//! broker never checks for it.
+
+#[cfg(test)]
+mod attach_tests;
+mod pod_spec;
+mod pod_state;
+#[cfg(test)]
+mod tests;
+
+use super::backend::{EngineObserver, SandboxFiles, SandboxUnavailable};
+use super::channel::AttachOutput;
+use super::docker::heartbeat_every;
+use super::{labels, runner_files, CpuWeight, OwnContainer, RunnerChannel, Sandbox, Warmup};
+use crate::config::{Config, SandboxProfile, SeccompChoice};
+use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
+use anyhow::{anyhow, Context};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachParams, DeleteParams, ListParams, LogParams, PostParams};
+use pod_spec::{new_pod_name, reader_pod, sandbox_pod, session_of_label, PodSettings, CONTAINER};
+use pod_state::{pod_state, wait_running, PodState, WaitError};
+use std::collections::HashSet;
+use std::io;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+/// Where a pod's service account names its namespace.
+const NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// The namespace when none is set and the broker does not run in a pod.
+const DEFAULT_NAMESPACE: &str = "codebroker";
+
+/// How long a new runner may take to answer its first hello, once attached.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long to wait for the cluster to record the end of a pod whose runner went away,
+/// before asking how it ended.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a pod is looked at while waiting for its end.
+const POLL_EVERY: Duration = Duration::from_millis(500);
+
+/// Creates, attaches to, and deletes sandbox pods.
+pub(crate) struct KubernetesBackend {
+    /// The pods of the sandbox namespace, through the broker's client.
+    pods: Api<Pod>,
+    /// The sandbox namespace, for messages that send an operator to its RBAC.
+    namespace: String,
+    /// Image, limits, lockdown and instance label: the sandbox group of the settings.
+    profile: SandboxProfile,
+    /// What only pods have: runtime class, and the idle TTL the runner's limit comes from.
+    settings: PodSettings,
+    /// How long a new pod may take to be running and attached.
+    ready_timeout: Duration,
+    /// Told of failed API calls (the broker's metrics); unset until the broker installs it.
+    observer: OnceLock<Arc<dyn EngineObserver>>,
+    /// Pods whose workspace was brought up to date with their session's files; a pod's
+    /// `emptyDir` starts empty, so each pod is filled once (see `settle_files`).
+    settled: Mutex<HashSet<String>>,
+}
+
+impl KubernetesBackend {
+    /// Connects with the cluster's credentials (a pod's service account, else
+    /// `KUBECONFIG` or `~/.kube/config`), in the namespace the settings name.
+    pub(crate) async fn connect(config: &Config) -> anyhow::Result<KubernetesBackend> {
+        let client = kube::Client::try_default().await.context(
+            "cannot configure the Kubernetes client: run the broker in a pod with a service \
+             account, or give it KUBECONFIG",
+        )?;
+        let namespace = config
+            .kubernetes
+            .k8s_namespace
+            .clone()
+            .filter(|n| !n.trim().is_empty())
+            .or_else(|| {
+                std::fs::read_to_string(NAMESPACE_FILE)
+                    .ok()
+                    .map(|n| n.trim().to_string())
+                    .filter(|n| !n.is_empty())
+            })
+            .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string());
+        let backend = KubernetesBackend::with_client(client, &namespace, config);
+        let p = &config.sandbox;
+        // What the Docker profile says and a pod spec cannot: said once, so an operator
+        // knows what the cluster must provide instead (docs/KUBERNETES.md).
+        tracing::info!(
+            namespace = %namespace,
+            runtime_class = backend.settings.runtime_class.as_deref().unwrap_or("(cluster default)"),
+            "sandboxes are Kubernetes pods; files move through the runner; pods get seccomp \
+             RuntimeDefault and the kubelet's pids limit, not CODEBROKER_SECCOMP, \
+             CODEBROKER_PIDS_LIMIT, CODEBROKER_NOFILE or CODEBROKER_FSIZE_MB; their network \
+             is what the namespace's NetworkPolicy allows"
+        );
+        if p.seccomp != SeccompChoice::Builtin || !p.runtime.trim().is_empty() {
+            tracing::warn!(
+                "CODEBROKER_SECCOMP and CODEBROKER_RUNTIME apply to Docker only: use \
+                 CODEBROKER_K8S_RUNTIME_CLASS"
+            );
+        }
+        Ok(backend)
+    }
+
+    /// A backend on `client` (the tests give one that plays the API server).
+    pub(crate) fn with_client(
+        client: kube::Client,
+        namespace: &str,
+        config: &Config,
+    ) -> KubernetesBackend {
+        let runtime_class = Some(config.kubernetes.k8s_runtime_class.trim())
+            .filter(|r| !r.is_empty())
+            .map(str::to_string);
+        KubernetesBackend {
+            pods: Api::namespaced(client, namespace),
+            namespace: namespace.to_string(),
+            profile: config.sandbox.clone(),
+            settings: PodSettings {
+                runtime_class,
+                idle_ttl_secs: config.idle_ttl_secs,
+            },
+            ready_timeout: Duration::from_secs(config.kubernetes.k8s_ready_timeout_secs),
+            observer: OnceLock::new(),
+            settled: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Counts one failed API call of `op`.
+    fn failed(&self, op: &str) {
+        if let Some(observer) = self.observer.get() {
+            observer.api_error(op);
+        }
+    }
+
+    /// The error for a failed API call while trying `to` (`create the sandbox pod`): a
+    /// [`SandboxUnavailable`] with the reason when the API server refused (RBAC), is
+    /// unreachable or is in trouble, so the request that waited gets 503 with it.
+    fn api_error(&self, err: kube::Error, to: &str) -> anyhow::Error {
+        let ns = &self.namespace;
+        let reason = match &err {
+            kube::Error::Api(e) if e.code == 401 || e.code == 403 => format!(
+                "the Kubernetes API server refused to {to} ({} {}: {}); the broker's service \
+                 account needs a Role allowing pods and pods/attach in namespace {ns} (RBAC)",
+                e.code, e.reason, e.message
+            ),
+            kube::Error::Api(e) if e.code == 429 || e.code >= 500 => format!(
+                "the Kubernetes API server could not {to} ({} {}: {})",
+                e.code, e.reason, e.message
+            ),
+            // The namespace is missing (not the pod: a pod's 404 is its own answer).
+            kube::Error::Api(e) if e.code == 404 && e.message.starts_with("namespaces ") => {
+                format!("the Kubernetes API server could not {to}: namespace {ns} does not exist")
+            }
+            kube::Error::Api(e) => {
+                return anyhow!(err.to_string()).context(format!(
+                    "the Kubernetes API server would not {to} ({} {})",
+                    e.code, e.reason
+                ))
+            }
+            // An attach the API server answers with a status instead of a WebSocket.
+            kube::Error::UpgradeConnection(
+                kube::client::UpgradeConnectionError::ProtocolSwitch(status),
+            ) if status.as_u16() == 401 || status.as_u16() == 403 => format!(
+                "the Kubernetes API server refused to {to} ({status}); the broker's service \
+                 account needs a Role allowing pods/attach in namespace {ns} (RBAC)"
+            ),
+            kube::Error::HyperError(_) | kube::Error::Service(_) => {
+                format!("the Kubernetes API server cannot be reached to {to}: {err}")
+            }
+            _ => return anyhow!(err.to_string()).context(format!("cannot {to}")),
+        };
+        anyhow::Error::new(SandboxUnavailable(reason))
+    }
+
+    /// Creates the pod of `session_id`, waits until it runs, attaches and says hello;
+    /// a pod that does not get there is deleted.
+    async fn create_pod(&self, session_id: &str, warmup: Warmup) -> anyhow::Result<Sandbox> {
+        let name = new_pod_name();
+        let pod = sandbox_pod(&self.profile, &self.settings, &name, session_id);
+        let t0 = std::time::Instant::now();
+        self.pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .map_err(|e| {
+                self.failed("create");
+                self.api_error(e, "create the sandbox pod")
+            })?;
+        let t_create = t0.elapsed();
+        let sandbox = async {
+            let channel = self.run_and_attach(&name).await?;
+            let t_attach = t0.elapsed();
+            let sandbox = Sandbox::new(name.clone(), channel);
+            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
+                .await
+                .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
+                .context("the runner did not answer")?;
+            tracing::debug!(
+                pod = %name,
+                create = ?t_create,
+                running_and_attached = ?(t_attach - t_create),
+                hello = ?(t0.elapsed() - t_attach),
+                ?warmup,
+                "sandbox pod started"
+            );
+            anyhow::Ok(sandbox)
+        }
+        .await;
+        if sandbox.is_err() {
+            self.remove_pod(&name).await;
+        }
+        sandbox
+    }
+
+    /// Waits until the pod `name` runs and attaches to it, within the ready timeout.
+    async fn run_and_attach(&self, name: &str) -> anyhow::Result<RunnerChannel> {
+        let secs = self.ready_timeout.as_secs();
+        let mut last = None;
+        let ready = tokio::time::timeout(self.ready_timeout, async {
+            wait_running(&self.pods, name, self.ready_timeout, &mut last)
+                .await
+                .map_err(|e| match e {
+                    WaitError::Ended(why) => anyhow::Error::new(SandboxUnavailable(format!(
+                        "the sandbox pod did not start: {why}"
+                    ))),
+                    WaitError::Api(e) => {
+                        self.failed("watch");
+                        self.api_error(e, "watch the sandbox pod")
+                    }
+                })?;
+            self.attach_channel(name).await
+        })
+        .await;
+        match ready {
+            Ok(channel) => channel,
+            Err(_) => Err(anyhow::Error::new(SandboxUnavailable(format!(
+                "the sandbox pod was not running within {secs} s (CODEBROKER_K8S_READY_TIMEOUT_SECS){}",
+                last.map(|why| format!("; last: {why}")).unwrap_or_default()
+            )))),
+        }
+    }
+
+    /// Attaches to the runner's stdin and stdout (its stderr goes to the pod's log).
+    async fn attach_channel(&self, name: &str) -> anyhow::Result<RunnerChannel> {
+        let params = AttachParams::default()
+            .container(CONTAINER)
+            .stdin(true)
+            .stdout(true)
+            .stderr(false)
+            .tty(false);
+        let mut attached = self.pods.attach(name, &params).await.map_err(|e| {
+            self.failed("attach");
+            self.api_error(e, "attach to the sandbox pod")
+        })?;
+        let (Some(input), Some(output)) = (attached.stdin(), attached.stdout()) else {
+            return Err(anyhow!("the attach gave no stdin or stdout"));
+        };
+        // The attach's task ends with the channel: dropping the output stream (the
+        // channel's reader) aborts it, so a forgotten channel holds no connection.
+        let held = AbortOnDrop(attached);
+        let output = tokio_util::io::ReaderStream::new(output)
+            .map(move |chunk| {
+                let _ = &held;
+                chunk
+                    .map(AttachOutput::Stdout)
+                    .map_err(|e| format!("the pod's attach stream broke: {e}"))
+            })
+            // The stream ends when the pod does, is deleted, or loses its node: said so.
+            .chain(futures::stream::once(async {
+                Err(
+                    "the pod's attach stream ended (the pod ended, was deleted, or lost \
+                     its node)"
+                        .to_string(),
+                )
+            }));
+        let channel = RunnerChannel::new(name.to_string(), output, Box::pin(input));
+        Ok(channel.with_heartbeat(heartbeat_every(self.settings.idle_ttl_secs)))
+    }
+
+    /// Deletes a pod; one already gone is fine, other failures are logged (the
+    /// reconciler at the next start deletes what is left).
+    async fn remove_pod(&self, name: &str) {
+        self.lock_settled().remove(name);
+        match self.pods.delete(name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(err) => {
+                self.failed("remove");
+                tracing::warn!(pod = %name, error = %err, "cannot delete sandbox pod");
+            }
+        }
+    }
+
+    fn lock_settled(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.settled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads one file of the image: a pod of the image runs `cat` on it, its log is the
+    /// file. Needs `pods/log` besides what sandboxes need; used once, for `/libraries`.
+    async fn read_image_file_by_pod(&self, path: &str) -> anyhow::Result<Vec<u8>> {
+        let name = new_pod_name();
+        let pod = reader_pod(&self.profile, &self.settings, &name, path);
+        self.pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .map_err(|e| {
+                self.failed("read_image");
+                self.api_error(e, "create a pod that reads the image")
+            })?;
+        let read = async {
+            let finished = tokio::time::timeout(self.ready_timeout, async {
+                loop {
+                    let pod = self.pods.get(&name).await?;
+                    let phase = pod.status.and_then(|s| s.phase);
+                    if matches!(phase.as_deref(), Some("Succeeded" | "Failed")) {
+                        return Ok::<_, kube::Error>(phase);
+                    }
+                    tokio::time::sleep(POLL_EVERY).await;
+                }
+            })
+            .await
+            .map_err(|_| anyhow!("the pod reading {path} did not finish in time"))?
+            .map_err(|e| self.api_error(e, "read the image"))?;
+            if finished.as_deref() != Some("Succeeded") {
+                anyhow::bail!("cannot read {path} from the image (the reading pod failed)");
+            }
+            let params = LogParams {
+                container: Some(CONTAINER.to_string()),
+                ..Default::default()
+            };
+            let text =
+                self.pods.logs(&name, &params).await.map_err(|e| {
+                    self.api_error(e, "read the log of the pod that reads the image")
+                })?;
+            anyhow::Ok(text.into_bytes())
+        }
+        .await;
+        if read.is_err() {
+            self.failed("read_image");
+        }
+        self.remove_pod(&name).await;
+        read
+    }
+}
+
+/// Aborts an attach's task when dropped.
+struct AbortOnDrop(kube::api::AttachedProcess);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[async_trait::async_trait]
+impl super::SandboxBackend for KubernetesBackend {
+    async fn create(
+        &self,
+        session_id: &str,
+        _workspace: &Workspace,
+        warmup: Warmup,
+    ) -> anyhow::Result<Sandbox> {
+        self.create_pod(session_id, warmup).await
+    }
+
+    async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
+        let channel = self.attach_channel(sandbox_id).await?;
+        let sandbox = Sandbox::new(sandbox_id.to_string(), channel);
+        // The runner may still run an exec of the broker that died: stop it first.
+        tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
+            .await
+            .map_err(|_| anyhow!("the runner did not become idle within {HELLO_TIMEOUT:?}"))?
+            .context("the runner did not answer")?;
+        Ok(sandbox)
+    }
+
+    /// A pod's CPU weight is its request, fixed when it is created: never set.
+    async fn set_cpu_weight(&self, _sandbox_id: &str, _weight: CpuWeight) -> bool {
+        false
+    }
+
+    async fn remove(&self, sandbox_id: &str) {
+        self.remove_pod(sandbox_id).await
+    }
+
+    async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+        let selector = format!("{}={}", labels::INSTANCE, self.profile.instance);
+        let list = self
+            .pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| {
+                self.failed("list");
+                self.api_error(e, "list the sandbox pods")
+            })?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter_map(|pod| {
+                let running = pod_state(&pod) == PodState::Running;
+                let session = pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(labels::SESSION))
+                    .and_then(|v| session_of_label(v));
+                Some(OwnContainer {
+                    id: pod.metadata.name?,
+                    session,
+                    running,
+                })
+            })
+            .collect())
+    }
+
+    async fn ping(&self) -> bool {
+        self.pods
+            .list_metadata(&ListParams::default().limit(1))
+            .await
+            .is_ok()
+    }
+
+    /// The kubelet pulls the image when a pod needs it; a missing image shows as a pod
+    /// that cannot start (`ErrImagePull`), reported by `create`.
+    async fn image_present(&self) -> bool {
+        true
+    }
+
+    async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+        // The runner's stream may break before the cluster records the end: wait a little.
+        let deadline = tokio::time::Instant::now() + EXIT_WAIT;
+        loop {
+            let pod = match self.pods.get(sandbox_id).await {
+                Ok(pod) => pod,
+                Err(kube::Error::Api(e)) if e.code == 404 => return false,
+                Err(err) => {
+                    self.failed("inspect");
+                    tracing::warn!(pod = %sandbox_id, error = %err, "cannot read sandbox pod");
+                    return false;
+                }
+            };
+            if pod_state::ended_out_of_memory(&pod, since) {
+                return true;
+            }
+            if pod_state(&pod) != PodState::Running || tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+
+    async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>> {
+        self.read_image_file_by_pod(path).await
+    }
+
+    /// Pods run on nodes the broker does not know: CODEBROKER_MAX_CONTAINERS `auto` takes
+    /// its minimum; set a number.
+    fn host_memory(&self) -> Option<u64> {
+        None
+    }
+
+    fn observe(&self, observer: Arc<dyn EngineObserver>) {
+        // Only the first observer counts: the broker installs it once, at start.
+        let _ = self.observer.set(observer);
+    }
+
+    fn place_file(
+        &self,
+        at: &SandboxFiles,
+        blob: &Path,
+        name: &Path,
+        read_only: bool,
+    ) -> io::Result<Stamp> {
+        runner_files::place_file(&at.workspace, at.sandbox.as_deref(), blob, name, read_only)
+    }
+
+    fn harvest(
+        &self,
+        at: &SandboxFiles,
+        index: &mut FileIndex,
+        limits: HarvestLimits,
+    ) -> io::Result<HarvestReport> {
+        match &at.sandbox {
+            Some(sandbox) => {
+                let mut files = runner_files::RunnerFiles { sandbox };
+                at.workspace.harvest_from(&mut files, index, limits)
+            }
+            // The pod is gone (it broke during the exec): its files are looked at by the
+            // next one's harvest, after they are put back.
+            None => Ok(HarvestReport::default()),
+        }
+    }
+
+    fn read_file(
+        &self,
+        at: &SandboxFiles,
+        name: &str,
+        max_bytes: u64,
+    ) -> io::Result<Option<Vec<u8>>> {
+        match &at.sandbox {
+            Some(sandbox) => runner_files::read_file(sandbox, name, max_bytes),
+            None => Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the session has no live sandbox",
+            )),
+        }
+    }
+
+    fn remove_file(&self, at: &SandboxFiles, record: &FileRecord) -> io::Result<()> {
+        runner_files::remove_file(&at.workspace, at.sandbox.as_deref(), record)
+    }
+
+    /// A pooled pod's disk cannot be handed over; a session with files starts its own.
+    fn hands_over_pooled(&self) -> bool {
+        false
+    }
+
+    fn take_pooled_workspace(&self, _session: &Workspace, _pooled: &Workspace) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a pod's workspace cannot be handed over",
+        ))
+    }
+
+    /// Moves that waited for a sandbox, and, once per pod, the session's current files
+    /// the pod lacks: a new pod (after the idle TTL, an eviction, a lost node) starts with
+    /// an empty workspace, and the broker's store has them.
+    fn settle_files(
+        &self,
+        at: &SandboxFiles,
+        index: &mut FileIndex,
+    ) -> io::Result<(bool, Vec<String>)> {
+        let Some(sandbox) = &at.sandbox else {
+            return Ok((false, Vec::new()));
+        };
+        let (mut changed, mut notes) = runner_files::apply_pending(&at.workspace, sandbox, index)?;
+        if !self.lock_settled().contains(&sandbox.container_id) {
+            let (restored, more) = runner_files::restore_missing(&at.workspace, sandbox, index)?;
+            changed |= restored;
+            notes.extend(more);
+            self.lock_settled().insert(sandbox.container_id.clone());
+        }
+        Ok((changed, notes))
+    }
+}
