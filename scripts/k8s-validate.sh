@@ -58,9 +58,10 @@ sandbox_label=$(sed -n 's/.*const INSTANCE: &str = "\([^"]*\)";.*/\1/p' \
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# Render the base and every overlay, found rather than listed, so a new one is checked too.
+# Render the base, every overlay and the example overlay, found rather than listed, so a
+# new one is checked too.
 rendered=()
-for dir in "$deploy/base" "$deploy"/overlays/*/; do
+for dir in "$deploy/base" "$deploy"/overlays/*/ "$deploy"/examples/*/; do
   dir=${dir%/}
   [ -f "$dir/kustomization.yaml" ] || continue
   name=${dir#"$deploy"/}
