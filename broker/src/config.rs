@@ -863,6 +863,17 @@ pub enum AuthMode {
 }
 
 impl Config {
+    /// Who owns the broker's copy of each workspace's files: the sandbox uid on Docker,
+    /// whose containers mount that directory, and the broker itself on Kubernetes, where no
+    /// sandbox sees it (files move through the runner) and the broker needs no capability
+    /// to hand it over.
+    pub(crate) fn workspace_uid(&self) -> u32 {
+        match self.backend {
+            BackendKind::Docker => self.sandbox.sandbox_uid,
+            BackendKind::Kubernetes => crate::workspace::euid(),
+        }
+    }
+
     /// Checks settings that clap cannot check on its own.
     pub(crate) fn validate(&self) -> Result<(), String> {
         if self.access.auth == AuthMode::Key
@@ -1169,5 +1180,14 @@ mod tests {
             config.access.jwt_key_entries().collect::<Vec<_>>(),
             ["k=/keys/lc.pem"]
         );
+    }
+
+    #[test]
+    fn workspaces_belong_to_the_sandbox_on_docker_and_to_the_broker_on_kubernetes() {
+        let mut config = Config::for_tests("/data".into(), "t");
+        config.sandbox.sandbox_uid = 10001;
+        assert_eq!(config.workspace_uid(), 10001);
+        config.backend = BackendKind::Kubernetes;
+        assert_eq!(config.workspace_uid(), crate::workspace::euid());
     }
 }

@@ -39,7 +39,9 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     http::jwt::JwtKeys::load(&config.access).context("cannot load the JWT public keys")?;
-    if identity::check(config.sandbox.sandbox_uid)? == identity::Identity::SameAsSandbox {
+    if identity::check(config.workspace_uid())? == identity::Identity::SameAsSandbox
+        && config.backend == BackendKind::Docker
+    {
         tracing::warn!(
             uid = config.sandbox.sandbox_uid,
             "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
@@ -114,7 +116,7 @@ pub async fn run(
     let refiller = tokio::spawn(broker.pool.clone().run_refiller(
         broker.backend.clone(),
         broker.config.data_dir.as_path().into(),
-        broker.config.sandbox.sandbox_uid,
+        broker.config.workspace_uid(),
         stop.child_token(),
     ));
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop.child_token()));

@@ -43,7 +43,7 @@ impl Broker {
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
-            .create(self.config.sandbox.sandbox_uid)
+            .create(self.config.workspace_uid())
             .map_err(|e| Error::internal(format!("cannot recreate workspace: {e}")))?;
         if let Some(sandbox) = self.sandbox_from_pool(session).await {
             return Ok(sandbox);

@@ -239,7 +239,7 @@ impl Broker {
             None => {
                 let id = new_id();
                 let ws = Workspace::new(&self.config.data_dir, &id);
-                ws.create(self.config.sandbox.sandbox_uid)
+                ws.create(self.config.workspace_uid())
                     .map_err(|e| Error::internal(format!("cannot create workspace: {e}")))?;
                 (id, ws)
             }
