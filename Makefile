@@ -8,6 +8,7 @@
 #                (register it first: scripts/runsc-up.sh)
 #   make test-runner-files  the file, upload, exec and LibreChat suites with files moved
 #                through the runner (CODEBROKER_FILE_TRANSFER=runner)
+#   make k8s-validate  the Kubernetes manifests (deploy/kubernetes) rendered and schema-checked offline
 #   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
 IMAGE ?= codebroker-sandbox:latest
@@ -15,7 +16,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files
+.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -87,6 +88,9 @@ lobe-test:
 # playwright-core, against the debug broker binary; ends with node's test summary.
 playground-test:
 	$(CARGO) build -p codebroker && cd tests/playground && npm ci --no-audit --no-fund && npm test
+
+k8s-validate:
+	scripts/k8s-validate.sh
 
 bench: image
 	$(CARGO) bench -p codebroker --bench exec
