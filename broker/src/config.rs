@@ -314,6 +314,16 @@ pub enum BackendKind {
     Kubernetes,
 }
 
+impl BackendKind {
+    /// The name `CODEBROKER_BACKEND` takes, as `/health` reports it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            BackendKind::Docker => "docker",
+            BackendKind::Kubernetes => "kubernetes",
+        }
+    }
+}
+
 /// The Kubernetes backend (CODEBROKER_BACKEND=kubernetes): where its pods go and how long
 /// one may take to start. The pods get the sandbox profile's image, limits and lockdown.
 #[derive(Debug, Clone, clap::Args)]

@@ -133,7 +133,7 @@ impl Metrics {
         );
         registry.register(
             "docker_errors",
-            "Failed Docker API calls by operation",
+            "Failed sandbox backend API calls (Docker's or Kubernetes') by operation",
             docker_errors.clone(),
         );
         registry.register(

@@ -51,7 +51,9 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
     let mut body = json!({
         "status": if healthy { "ok" } else { "degraded" },
         "version": env!("CARGO_PKG_VERSION"),
+        // `docker` is kept for clients of the Docker-only broker; `backend` says which.
         "docker": { "reachable": docker_ok },
+        "backend": { "kind": broker.config.backend.name(), "reachable": docker_ok },
         "image": { "name": broker.config.sandbox.image, "present": image_ok },
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
     });
