@@ -142,11 +142,16 @@ impl KubernetesBackend {
     /// [`SandboxUnavailable`] with the reason when the API server refused (RBAC), is
     /// unreachable or is in trouble, so the request that waited gets 503 with it.
     fn api_error(&self, err: kube::Error, to: &str) -> anyhow::Error {
+        self.api_error_needing(err, to, "pods and pods/attach")
+    }
+
+    /// [`Self::api_error`], whose RBAC message says the Role must allow `needs`.
+    fn api_error_needing(&self, err: kube::Error, to: &str, needs: &str) -> anyhow::Error {
         let ns = &self.namespace;
         let reason = match &err {
             kube::Error::Api(e) if e.code == 401 || e.code == 403 => format!(
                 "the Kubernetes API server refused to {to} ({} {}: {}); the broker's service \
-                 account needs a Role allowing pods and pods/attach in namespace {ns} (RBAC)",
+                 account needs a Role allowing {needs} in namespace {ns} (RBAC)",
                 e.code, e.reason, e.message
             ),
             kube::Error::Api(e) if e.code == 429 || e.code >= 500 => format!(
@@ -192,49 +197,54 @@ impl KubernetesBackend {
                 self.api_error(e, "create the sandbox pod")
             })?;
         let t_create = t0.elapsed();
-        let sandbox = async {
-            let channel = self.run_and_attach(&name).await?;
-            let t_attach = t0.elapsed();
-            let sandbox = Sandbox::new(name.clone(), channel);
-            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
-                .await
-                .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
-                .context("the runner did not answer")?;
-            tracing::debug!(
-                pod = %name,
-                create = ?t_create,
-                running_and_attached = ?(t_attach - t_create),
-                hello = ?(t0.elapsed() - t_attach),
-                ?warmup,
-                "sandbox pod started"
-            );
-            anyhow::Ok(sandbox)
+        let channel = match self.run_and_attach(&name).await {
+            Ok(channel) => channel,
+            Err(err) => {
+                self.remove_pod(&name).await;
+                return Err(err);
+            }
+        };
+        tracing::debug!(
+            pod = %name,
+            create = ?t_create,
+            running_and_attached = ?(t0.elapsed() - t_create),
+            "sandbox pod attached"
+        );
+        self.say_hello(name, channel, warmup).await
+    }
+
+    /// The first hello of a new sandbox `id` on `channel`; one that does not answer is
+    /// removed.
+    async fn say_hello(
+        &self,
+        id: String,
+        channel: RunnerChannel,
+        warmup: Warmup,
+    ) -> anyhow::Result<Sandbox> {
+        let sandbox = Sandbox::new(id.clone(), channel);
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
+            .await
+            .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))
+            .and_then(|answer| answer.context("the runner did not answer"));
+        match hello {
+            Ok(_) => Ok(sandbox),
+            Err(err) => {
+                // The attach goes first, so the runner is not held while its pod goes.
+                drop(sandbox);
+                super::SandboxBackend::remove(self, &id).await;
+                Err(err)
+            }
         }
-        .await;
-        if sandbox.is_err() {
-            self.remove_pod(&name).await;
-        }
-        sandbox
     }
 
     /// Waits until the pod `name` runs and attaches to it, within the ready timeout.
     async fn run_and_attach(&self, name: &str) -> anyhow::Result<RunnerChannel> {
         let secs = self.ready_timeout.as_secs();
         let mut last = None;
-        let ready = tokio::time::timeout(self.ready_timeout, async {
-            wait_running(&self.pods, name, self.ready_timeout, &mut last)
-                .await
-                .map_err(|e| match e {
-                    WaitError::Ended(why) => anyhow::Error::new(SandboxUnavailable(format!(
-                        "the sandbox pod did not start: {why}"
-                    ))),
-                    WaitError::Api(e) => {
-                        self.failed("watch");
-                        self.api_error(e, "watch the sandbox pod")
-                    }
-                })?;
-            self.attach_channel(name).await
-        })
+        let ready = tokio::time::timeout(
+            self.ready_timeout,
+            self.running_then_attach(name, self.ready_timeout, &mut last),
+        )
         .await;
         match ready {
             Ok(channel) => channel,
@@ -243,6 +253,28 @@ impl KubernetesBackend {
                 last.map(|why| format!("; last: {why}")).unwrap_or_default()
             )))),
         }
+    }
+
+    /// Waits until the pod `name` runs and attaches to it; `last` says why it does not
+    /// run yet. Unbounded but for the watches' `timeout`: the caller bounds it.
+    async fn running_then_attach(
+        &self,
+        name: &str,
+        timeout: Duration,
+        last: &mut Option<String>,
+    ) -> anyhow::Result<RunnerChannel> {
+        wait_running(&self.pods, name, timeout, last)
+            .await
+            .map_err(|e| match e {
+                WaitError::Ended(why) => anyhow::Error::new(SandboxUnavailable(format!(
+                    "the sandbox pod did not start: {why}"
+                ))),
+                WaitError::Api(e) => {
+                    self.failed("watch");
+                    self.api_error(e, "watch the sandbox pod")
+                }
+            })?;
+        self.attach_channel(name).await
     }
 
     /// Attaches to the runner's stdin and stdout (its stderr goes to the pod's log).
