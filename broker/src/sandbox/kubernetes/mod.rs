@@ -9,18 +9,22 @@
 
 #[cfg(test)]
 mod attach_tests;
+#[cfg(test)]
+mod claim_tests;
+mod claims;
 mod pod_spec;
 mod pod_state;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 
 use super::backend::{EngineObserver, SandboxFiles, SandboxUnavailable};
 use super::channel::AttachOutput;
 use super::docker::heartbeat_every;
 use super::{labels, runner_files, CpuWeight, OwnContainer, RunnerChannel, Sandbox, Warmup};
-use crate::config::{Config, SandboxProfile, SeccompChoice};
+use crate::config::{Config, KubernetesMode, SandboxProfile, SeccompChoice};
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use anyhow::{anyhow, Context};
+use claims::Claims;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, DeleteParams, ListParams, LogParams, PostParams};
@@ -45,7 +49,7 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
 /// before asking how it ended.
 const EXIT_WAIT: Duration = Duration::from_secs(5);
 
-/// How often a pod is looked at while waiting for its end.
+/// How often a pod (or a claim) is looked at while waiting for its end (or its pod).
 const POLL_EVERY: Duration = Duration::from_millis(500);
 
 /// Creates, attaches to, and deletes sandbox pods.
@@ -65,6 +69,9 @@ pub(crate) struct KubernetesBackend {
     /// Pods whose workspace was brought up to date with their session's files; a pod's
     /// `emptyDir` starts empty, so each pod is filled once (see `settle_files`).
     settled: Mutex<HashSet<String>>,
+    /// In agent-sandbox mode, the claims sandboxes come from (`claims.rs`); `None`: the
+    /// broker creates bare pods.
+    claims: Option<Claims>,
 }
 
 impl KubernetesBackend {
@@ -89,6 +96,16 @@ impl KubernetesBackend {
             .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string());
         let backend = KubernetesBackend::with_client(client, &namespace, config);
         let p = &config.sandbox;
+        if config.kubernetes.k8s_mode == KubernetesMode::AgentSandbox {
+            tracing::info!(
+                namespace = %namespace,
+                template = %config.kubernetes.k8s_sandbox_template.trim(),
+                "sandboxes are claimed from agent-sandbox (SandboxClaim, API v1alpha1): the \
+                 SandboxTemplate says their pods (image, limits, lockdown, runtime class); \
+                 CODEBROKER_IMAGE is used only to read the image's library list"
+            );
+            return Ok(backend);
+        }
         // What the Docker profile says and a pod spec cannot: said once, so an operator
         // knows what the cluster must provide instead (docs/KUBERNETES.md).
         tracing::info!(
@@ -114,6 +131,13 @@ impl KubernetesBackend {
         namespace: &str,
         config: &Config,
     ) -> KubernetesBackend {
+        let claims = (config.kubernetes.k8s_mode == KubernetesMode::AgentSandbox).then(|| {
+            Claims::new(
+                client.clone(),
+                namespace,
+                config.kubernetes.k8s_sandbox_template.trim(),
+            )
+        });
         let runtime_class = Some(config.kubernetes.k8s_runtime_class.trim())
             .filter(|r| !r.is_empty())
             .map(str::to_string);
@@ -128,6 +152,7 @@ impl KubernetesBackend {
             ready_timeout: Duration::from_secs(config.kubernetes.k8s_ready_timeout_secs),
             observer: OnceLock::new(),
             settled: Mutex::new(HashSet::new()),
+            claims,
         }
     }
 
@@ -210,6 +235,15 @@ impl KubernetesBackend {
             running_and_attached = ?(t0.elapsed() - t_create),
             "sandbox pod attached"
         );
+        self.say_hello(name, channel, warmup).await
+    }
+
+    /// Claims a sandbox for `session_id` (agent-sandbox mode), attaches to its pod and
+    /// says hello; a claim that does not get there is deleted.
+    async fn create_claimed(&self, session_id: &str, warmup: Warmup) -> anyhow::Result<Sandbox> {
+        let t0 = std::time::Instant::now();
+        let (name, channel) = self.claim_and_attach(session_id).await?;
+        tracing::debug!(claim = %name, bound_and_attached = ?t0.elapsed(), "sandbox claimed");
         self.say_hello(name, channel, warmup).await
     }
 
@@ -397,11 +431,21 @@ impl super::SandboxBackend for KubernetesBackend {
         _workspace: &Workspace,
         warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        self.create_pod(session_id, warmup).await
+        if self.claims.is_some() {
+            self.create_claimed(session_id, warmup).await
+        } else {
+            self.create_pod(session_id, warmup).await
+        }
     }
 
+    /// Re-attaches to the pod `sandbox_id` names: in agent-sandbox mode a claim's, found
+    /// through its Sandbox.
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
-        let channel = self.attach_channel(sandbox_id).await?;
+        let pod = match self.claims {
+            Some(_) => self.claimed_pod(sandbox_id).await?,
+            None => sandbox_id.to_string(),
+        };
+        let channel = self.attach_channel(&pod).await?;
         let sandbox = Sandbox::new(sandbox_id.to_string(), channel);
         // The runner may still run an exec of the broker that died: stop it first.
         tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
@@ -416,11 +460,22 @@ impl super::SandboxBackend for KubernetesBackend {
         false
     }
 
+    /// Deletes the pod, or in agent-sandbox mode the claim (the controller deletes the
+    /// Sandbox and its pod).
     async fn remove(&self, sandbox_id: &str) {
-        self.remove_pod(sandbox_id).await
+        if self.claims.is_some() {
+            self.remove_claim(sandbox_id).await
+        } else {
+            self.remove_pod(sandbox_id).await
+        }
     }
 
+    /// This instance's pods, or in agent-sandbox mode its claims: never a warm pool's
+    /// pods, which are the controller's.
     async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+        if self.claims.is_some() {
+            return self.list_own_claims().await;
+        }
         let selector = format!("{}={}", labels::INSTANCE, self.profile.instance);
         let list = self
             .pods
@@ -464,6 +519,14 @@ impl super::SandboxBackend for KubernetesBackend {
     }
 
     async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+        let pod = match self.claims {
+            Some(_) => match self.claimed_pod(sandbox_id).await {
+                Ok(pod) => pod,
+                Err(_) => return false,
+            },
+            None => sandbox_id.to_string(),
+        };
+        let sandbox_id = pod.as_str();
         // The runner's stream may break before the cluster records the end: wait a little.
         let deadline = tokio::time::Instant::now() + EXIT_WAIT;
         loop {
