@@ -72,7 +72,7 @@ fn posted_claim(log: &Arc<Mutex<Vec<tests::Seen>>>) -> String {
 }
 
 /// The claim POSTed names the template and carries the session's labels; once bound (the
-/// v0.1.x spelling `status.sandbox.Name`), its Sandbox names the warm-pool pod, which is
+/// early spelling `status.sandbox.Name`), its Sandbox names the warm-pool pod, which is
 /// attached to. The attach is refused, so the claim, not the pod, is deleted.
 #[tokio::test]
 async fn a_claim_names_the_template_and_is_deleted_when_its_pod_cannot_be_attached() {
@@ -159,7 +159,7 @@ async fn a_claim_names_the_template_and_is_deleted_when_its_pod_cannot_be_attach
 }
 
 /// The wait follows the claim while it is unbound (looking for a Sandbox of its name,
-/// as v0.1.x makes), then the Sandbox its status names (the later spelling
+/// as the v1alpha1 client does), then the Sandbox its status names (the later spelling
 /// `status.sandbox.name`), then that Sandbox's pod until it exists and runs.
 #[tokio::test]
 async fn the_wait_follows_the_claim_to_its_sandbox_and_pod_until_it_runs() {

@@ -6,19 +6,21 @@
 //! the sandbox and its pod, and its labels say whose it is.
 //!
 //! The API targeted is agent-sandbox's v1alpha1 (releases v0.1.x), as read in
-//! github.com/kubernetes-sigs/agent-sandbox:
-//! - `extensions/api/v1alpha1/groupversion_info.go`: group `extensions.agents.x-k8s.io`,
-//!   version `v1alpha1`; `api/v1alpha1/groupversion_info.go`: `Sandbox` in `agents.x-k8s.io`.
-//! - `extensions/api/v1alpha1/sandboxclaim_types.go` and
-//!   `k8s/crds/extensions.agents.x-k8s.io_sandboxclaims.yaml`: `spec.sandboxTemplateRef.name`
-//!   names the template; `status.sandbox` names the Sandbox the claim got, and
-//!   `status.conditions` says why not yet. The v0.1.x CRD spells that field `Name`
-//!   (`status.sandbox.Name`); later v1alpha1 releases spell it `name`: both are read.
-//! - `clients/python/agentic-sandbox-client/agentic_sandbox/sandbox_client.py` (the v1alpha1
-//!   client of the same releases): the Sandbox a claim makes carries the claim's name, and
-//!   its pod is named by the Sandbox's `agents.x-k8s.io/pod-name` annotation when it was
-//!   adopted from a warm pool, else by the Sandbox's own name
-//!   (`api/v1alpha1/annotations.go`: `SandboxPodNameAnnotation`).
+//! github.com/kubernetes-sigs/agent-sandbox (the commits are of the stored copies read;
+//! they were not tied to release tags here):
+//! - `extensions/api/v1alpha1/groupversion_info.go` (5bf1aad): group
+//!   `extensions.agents.x-k8s.io`, version `v1alpha1`; `Sandbox` is in `agents.x-k8s.io`.
+//! - `extensions/api/v1alpha1/sandboxclaim_types.go` (0e79538) and
+//!   `k8s/crds/extensions.agents.x-k8s.io_sandboxclaims.yaml` (1203be6):
+//!   `spec.sandboxTemplateRef.name` names the template; `status.sandbox` names the Sandbox
+//!   the claim got, and `status.conditions` says why not yet. The CRD of the releases that
+//!   served v1alpha1 alone spells that field `Name` (`status.sandbox.Name`); the later
+//!   v1alpha1 types spell it `name`: both are read.
+//! - `clients/python/agentic-sandbox-client/agentic_sandbox/sandbox_client.py` (0897b96,
+//!   the v1alpha1 client): the Sandbox a claim makes carries the claim's name, and its pod
+//!   is named by the Sandbox's `agents.x-k8s.io/pod-name` annotation when it was adopted
+//!   from a warm pool, else by the Sandbox's own name (`api/v1alpha1/annotations.go`,
+//!   75153eb: `SandboxPodNameAnnotation`).
 //!
 //! The controller makes the pod from the template, so the pod does not carry the broker's
 //! labels: only claims are listed and deleted, never pods, and a warm pool's pods are
@@ -151,7 +153,7 @@ pub(crate) fn claim_state(claim: &DynamicObject) -> ClaimState {
             return ClaimState::Ended(format!("the claim expired ({words})"));
         }
     }
-    // `Name` in v0.1.x's CRD, `name` later (see the module's sources).
+    // `Name` in the early CRD, `name` later (see the module's sources).
     let bound = ["/status/sandbox/name", "/status/sandbox/Name"]
         .iter()
         .find_map(|at| claim.data.pointer(at).and_then(Value::as_str))
@@ -294,7 +296,7 @@ impl KubernetesBackend {
                 return Err(self.claim_api_error(e, "read the sandbox claim", false));
             }
         };
-        // A v0.1.x Sandbox carries its claim's name, before the status says so too.
+        // Unbound: a Sandbox of the claim's own name, as the v1alpha1 client looks for.
         let sandbox_name = match claim_state(&claim) {
             ClaimState::Ended(why) => {
                 return Err(unavailable(format!("the sandbox claim {name}: {why}")))
