@@ -350,10 +350,24 @@ pub struct KubernetesConfig {
     pub k8s_ready_timeout_secs: u64,
 
     /// How sandboxes are made on Kubernetes: `pods` (the broker creates one pod per
-    /// session) or `agent-sandbox` (claims against kubernetes-sigs/agent-sandbox; not
-    /// built yet, refused at start).
+    /// session) or `agent-sandbox` (the broker creates a `SandboxClaim` per sandbox
+    /// against CODEBROKER_K8S_SANDBOX_TEMPLATE and attaches to the pod the
+    /// kubernetes-sigs/agent-sandbox controller binds it to, from a `SandboxWarmPool` when
+    /// one is warm; targets agent-sandbox's v1alpha1 API, releases v0.1.x, installed with
+    /// its extensions). In agent-sandbox mode the template says the pod (image, limits,
+    /// lockdown, runtime class), not the CODEBROKER_* sandbox settings.
     #[arg(long, env = "CODEBROKER_K8S_MODE", default_value = "pods", value_enum)]
     pub k8s_mode: KubernetesMode,
+
+    /// agent-sandbox mode: the `SandboxTemplate` (in the sandbox namespace) the broker's
+    /// claims name; a claim not bound to a running pod within
+    /// CODEBROKER_K8S_READY_TIMEOUT_SECS is deleted and reported.
+    #[arg(
+        long,
+        env = "CODEBROKER_K8S_SANDBOX_TEMPLATE",
+        default_value = "codebroker-sandbox"
+    )]
+    pub k8s_sandbox_template: String,
 }
 
 /// CODEBROKER_K8S_MODE: how the Kubernetes backend gets its sandboxes.
@@ -727,6 +741,12 @@ fn is_dns_label(text: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
 }
 
+/// Whether `text` is a DNS subdomain (RFC 1123), what most resource names are: dot-separated
+/// DNS labels, at most 253 characters in all.
+fn is_dns_subdomain(text: &str) -> bool {
+    text.len() <= 253 && text.split('.').all(is_dns_label)
+}
+
 /// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
 /// without `iB`/`B`; all powers of 1024).
 pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
@@ -915,9 +935,13 @@ impl Config {
     /// label values, and what it cannot do is refused rather than ignored.
     fn validate_kubernetes(&self) -> Result<(), String> {
         if self.kubernetes.k8s_mode == KubernetesMode::AgentSandbox {
-            return Err(
-                "CODEBROKER_K8S_MODE=agent-sandbox is not built yet: use pods (the default)".into(),
-            );
+            let template = self.kubernetes.k8s_sandbox_template.trim();
+            if !is_dns_subdomain(template) {
+                return Err(format!(
+                    "CODEBROKER_K8S_SANDBOX_TEMPLATE {template:?} is not a resource name \
+                     (at most 253 of [a-z0-9-.], beginning and ending with a letter or digit)"
+                ));
+            }
         }
         if !is_label_value(&self.sandbox.instance) {
             return Err(format!(
@@ -1148,8 +1172,21 @@ mod tests {
         assert_eq!(check(&[]), Ok(()));
         assert_eq!(check(&["--k8s-namespace", "sandboxes"]), Ok(()));
         assert_eq!(check(&["--k8s-namespace", ""]), Ok(()));
-        let err = check(&["--k8s-mode", "agent-sandbox"]).expect_err("not built");
-        assert!(err.contains("not built yet"), "{err}");
+        assert_eq!(
+            defaults.kubernetes.k8s_sandbox_template,
+            "codebroker-sandbox"
+        );
+        assert_eq!(check(&["--k8s-mode", "agent-sandbox"]), Ok(()));
+        let err = check(&[
+            "--k8s-mode",
+            "agent-sandbox",
+            "--k8s-sandbox-template",
+            "Codebroker_Sandbox",
+        ])
+        .expect_err("not a name");
+        assert!(err.contains("CODEBROKER_K8S_SANDBOX_TEMPLATE"), "{err}");
+        // Only agent-sandbox mode reads it.
+        assert_eq!(check(&["--k8s-sandbox-template", ""]), Ok(()));
         let err = check(&["--instance", "my broker"]).expect_err("not a label");
         assert!(err.contains("CODEBROKER_INSTANCE"), "{err}");
         let err = check(&["--sandbox-uid", "0"]).expect_err("root");

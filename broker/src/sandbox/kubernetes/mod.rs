@@ -9,18 +9,22 @@
 
 #[cfg(test)]
 mod attach_tests;
+#[cfg(test)]
+mod claim_tests;
+mod claims;
 mod pod_spec;
 mod pod_state;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 
 use super::backend::{EngineObserver, SandboxFiles, SandboxUnavailable};
 use super::channel::AttachOutput;
 use super::docker::heartbeat_every;
 use super::{labels, runner_files, CpuWeight, OwnContainer, RunnerChannel, Sandbox, Warmup};
-use crate::config::{Config, SandboxProfile, SeccompChoice};
+use crate::config::{Config, KubernetesMode, SandboxProfile, SeccompChoice};
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use anyhow::{anyhow, Context};
+use claims::Claims;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, DeleteParams, ListParams, LogParams, PostParams};
@@ -45,7 +49,7 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
 /// before asking how it ended.
 const EXIT_WAIT: Duration = Duration::from_secs(5);
 
-/// How often a pod is looked at while waiting for its end.
+/// How often a pod (or a claim) is looked at while waiting for its end (or its pod).
 const POLL_EVERY: Duration = Duration::from_millis(500);
 
 /// Creates, attaches to, and deletes sandbox pods.
@@ -65,6 +69,9 @@ pub(crate) struct KubernetesBackend {
     /// Pods whose workspace was brought up to date with their session's files; a pod's
     /// `emptyDir` starts empty, so each pod is filled once (see `settle_files`).
     settled: Mutex<HashSet<String>>,
+    /// In agent-sandbox mode, the claims sandboxes come from (`claims.rs`); `None`: the
+    /// broker creates bare pods.
+    claims: Option<Claims>,
 }
 
 impl KubernetesBackend {
@@ -89,6 +96,16 @@ impl KubernetesBackend {
             .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string());
         let backend = KubernetesBackend::with_client(client, &namespace, config);
         let p = &config.sandbox;
+        if config.kubernetes.k8s_mode == KubernetesMode::AgentSandbox {
+            tracing::info!(
+                namespace = %namespace,
+                template = %config.kubernetes.k8s_sandbox_template.trim(),
+                "sandboxes are claimed from agent-sandbox (SandboxClaim, API v1alpha1): the \
+                 SandboxTemplate says their pods (image, limits, lockdown, runtime class); \
+                 CODEBROKER_IMAGE is used only to read the image's library list"
+            );
+            return Ok(backend);
+        }
         // What the Docker profile says and a pod spec cannot: said once, so an operator
         // knows what the cluster must provide instead (docs/KUBERNETES.md).
         tracing::info!(
@@ -114,6 +131,13 @@ impl KubernetesBackend {
         namespace: &str,
         config: &Config,
     ) -> KubernetesBackend {
+        let claims = (config.kubernetes.k8s_mode == KubernetesMode::AgentSandbox).then(|| {
+            Claims::new(
+                client.clone(),
+                namespace,
+                config.kubernetes.k8s_sandbox_template.trim(),
+            )
+        });
         let runtime_class = Some(config.kubernetes.k8s_runtime_class.trim())
             .filter(|r| !r.is_empty())
             .map(str::to_string);
@@ -128,6 +152,7 @@ impl KubernetesBackend {
             ready_timeout: Duration::from_secs(config.kubernetes.k8s_ready_timeout_secs),
             observer: OnceLock::new(),
             settled: Mutex::new(HashSet::new()),
+            claims,
         }
     }
 
@@ -142,11 +167,16 @@ impl KubernetesBackend {
     /// [`SandboxUnavailable`] with the reason when the API server refused (RBAC), is
     /// unreachable or is in trouble, so the request that waited gets 503 with it.
     fn api_error(&self, err: kube::Error, to: &str) -> anyhow::Error {
+        self.api_error_needing(err, to, "pods and pods/attach")
+    }
+
+    /// [`Self::api_error`], whose RBAC message says the Role must allow `needs`.
+    fn api_error_needing(&self, err: kube::Error, to: &str, needs: &str) -> anyhow::Error {
         let ns = &self.namespace;
         let reason = match &err {
             kube::Error::Api(e) if e.code == 401 || e.code == 403 => format!(
                 "the Kubernetes API server refused to {to} ({} {}: {}); the broker's service \
-                 account needs a Role allowing pods and pods/attach in namespace {ns} (RBAC)",
+                 account needs a Role allowing {needs} in namespace {ns} (RBAC)",
                 e.code, e.reason, e.message
             ),
             kube::Error::Api(e) if e.code == 429 || e.code >= 500 => format!(
@@ -192,49 +222,63 @@ impl KubernetesBackend {
                 self.api_error(e, "create the sandbox pod")
             })?;
         let t_create = t0.elapsed();
-        let sandbox = async {
-            let channel = self.run_and_attach(&name).await?;
-            let t_attach = t0.elapsed();
-            let sandbox = Sandbox::new(name.clone(), channel);
-            tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
-                .await
-                .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
-                .context("the runner did not answer")?;
-            tracing::debug!(
-                pod = %name,
-                create = ?t_create,
-                running_and_attached = ?(t_attach - t_create),
-                hello = ?(t0.elapsed() - t_attach),
-                ?warmup,
-                "sandbox pod started"
-            );
-            anyhow::Ok(sandbox)
+        let channel = match self.run_and_attach(&name).await {
+            Ok(channel) => channel,
+            Err(err) => {
+                self.remove_pod(&name).await;
+                return Err(err);
+            }
+        };
+        tracing::debug!(
+            pod = %name,
+            create = ?t_create,
+            running_and_attached = ?(t0.elapsed() - t_create),
+            "sandbox pod attached"
+        );
+        self.say_hello(name, channel, warmup).await
+    }
+
+    /// Claims a sandbox for `session_id` (agent-sandbox mode), attaches to its pod and
+    /// says hello; a claim that does not get there is deleted.
+    async fn create_claimed(&self, session_id: &str, warmup: Warmup) -> anyhow::Result<Sandbox> {
+        let t0 = std::time::Instant::now();
+        let (name, channel) = self.claim_and_attach(session_id).await?;
+        tracing::debug!(claim = %name, bound_and_attached = ?t0.elapsed(), "sandbox claimed");
+        self.say_hello(name, channel, warmup).await
+    }
+
+    /// The first hello of a new sandbox `id` on `channel`; one that does not answer is
+    /// removed.
+    async fn say_hello(
+        &self,
+        id: String,
+        channel: RunnerChannel,
+        warmup: Warmup,
+    ) -> anyhow::Result<Sandbox> {
+        let sandbox = Sandbox::new(id.clone(), channel);
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
+            .await
+            .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))
+            .and_then(|answer| answer.context("the runner did not answer"));
+        match hello {
+            Ok(_) => Ok(sandbox),
+            Err(err) => {
+                // The attach goes first, so the runner is not held while its pod goes.
+                drop(sandbox);
+                super::SandboxBackend::remove(self, &id).await;
+                Err(err)
+            }
         }
-        .await;
-        if sandbox.is_err() {
-            self.remove_pod(&name).await;
-        }
-        sandbox
     }
 
     /// Waits until the pod `name` runs and attaches to it, within the ready timeout.
     async fn run_and_attach(&self, name: &str) -> anyhow::Result<RunnerChannel> {
         let secs = self.ready_timeout.as_secs();
         let mut last = None;
-        let ready = tokio::time::timeout(self.ready_timeout, async {
-            wait_running(&self.pods, name, self.ready_timeout, &mut last)
-                .await
-                .map_err(|e| match e {
-                    WaitError::Ended(why) => anyhow::Error::new(SandboxUnavailable(format!(
-                        "the sandbox pod did not start: {why}"
-                    ))),
-                    WaitError::Api(e) => {
-                        self.failed("watch");
-                        self.api_error(e, "watch the sandbox pod")
-                    }
-                })?;
-            self.attach_channel(name).await
-        })
+        let ready = tokio::time::timeout(
+            self.ready_timeout,
+            self.running_then_attach(name, self.ready_timeout, &mut last),
+        )
         .await;
         match ready {
             Ok(channel) => channel,
@@ -243,6 +287,28 @@ impl KubernetesBackend {
                 last.map(|why| format!("; last: {why}")).unwrap_or_default()
             )))),
         }
+    }
+
+    /// Waits until the pod `name` runs and attaches to it; `last` says why it does not
+    /// run yet. Unbounded but for the watches' `timeout`: the caller bounds it.
+    async fn running_then_attach(
+        &self,
+        name: &str,
+        timeout: Duration,
+        last: &mut Option<String>,
+    ) -> anyhow::Result<RunnerChannel> {
+        wait_running(&self.pods, name, timeout, last)
+            .await
+            .map_err(|e| match e {
+                WaitError::Ended(why) => anyhow::Error::new(SandboxUnavailable(format!(
+                    "the sandbox pod did not start: {why}"
+                ))),
+                WaitError::Api(e) => {
+                    self.failed("watch");
+                    self.api_error(e, "watch the sandbox pod")
+                }
+            })?;
+        self.attach_channel(name).await
     }
 
     /// Attaches to the runner's stdin and stdout (its stderr goes to the pod's log).
@@ -365,11 +431,21 @@ impl super::SandboxBackend for KubernetesBackend {
         _workspace: &Workspace,
         warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        self.create_pod(session_id, warmup).await
+        if self.claims.is_some() {
+            self.create_claimed(session_id, warmup).await
+        } else {
+            self.create_pod(session_id, warmup).await
+        }
     }
 
+    /// Re-attaches to the pod `sandbox_id` names: in agent-sandbox mode a claim's, found
+    /// through its Sandbox.
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
-        let channel = self.attach_channel(sandbox_id).await?;
+        let pod = match self.claims {
+            Some(_) => self.claimed_pod(sandbox_id).await?,
+            None => sandbox_id.to_string(),
+        };
+        let channel = self.attach_channel(&pod).await?;
         let sandbox = Sandbox::new(sandbox_id.to_string(), channel);
         // The runner may still run an exec of the broker that died: stop it first.
         tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
@@ -384,11 +460,22 @@ impl super::SandboxBackend for KubernetesBackend {
         false
     }
 
+    /// Deletes the pod, or in agent-sandbox mode the claim (the controller deletes the
+    /// Sandbox and its pod).
     async fn remove(&self, sandbox_id: &str) {
-        self.remove_pod(sandbox_id).await
+        if self.claims.is_some() {
+            self.remove_claim(sandbox_id).await
+        } else {
+            self.remove_pod(sandbox_id).await
+        }
     }
 
+    /// This instance's pods, or in agent-sandbox mode its claims: never a warm pool's
+    /// pods, which are the controller's.
     async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+        if self.claims.is_some() {
+            return self.list_own_claims().await;
+        }
         let selector = format!("{}={}", labels::INSTANCE, self.profile.instance);
         let list = self
             .pods
@@ -432,6 +519,14 @@ impl super::SandboxBackend for KubernetesBackend {
     }
 
     async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+        let pod = match self.claims {
+            Some(_) => match self.claimed_pod(sandbox_id).await {
+                Ok(pod) => pod,
+                Err(_) => return false,
+            },
+            None => sandbox_id.to_string(),
+        };
+        let sandbox_id = pod.as_str();
         // The runner's stream may break before the cluster records the end: wait a little.
         let deadline = tokio::time::Instant::now() + EXIT_WAIT;
         loop {

@@ -52,6 +52,24 @@ pub(crate) fn session_of_label(value: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The labels of a sandbox of session `session_id`, on its pod or on its claim: the
+/// broker instance (what `list_own` selects), the session (what reconcile gives back),
+/// and when it was made.
+pub(crate) fn sandbox_labels(
+    profile: &SandboxProfile,
+    session_id: &str,
+) -> BTreeMap<String, String> {
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    BTreeMap::from([
+        (labels::INSTANCE.to_string(), profile.instance.clone()),
+        (labels::SESSION.to_string(), session_label(session_id)),
+        (labels::CREATED.to_string(), created.to_string()),
+    ])
+}
+
 /// A fresh pod name: `cb-` and 16 hex digits, so the 12 characters logs show (`short`)
 /// still tell pods apart.
 pub(crate) fn new_pod_name() -> String {
@@ -83,15 +101,7 @@ pub(crate) fn sandbox_pod(
     name: &str,
     session_id: &str,
 ) -> Pod {
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let labels = BTreeMap::from([
-        (labels::INSTANCE.to_string(), profile.instance.clone()),
-        (labels::SESSION.to_string(), session_label(session_id)),
-        (labels::CREATED.to_string(), created.to_string()),
-    ]);
+    let labels = sandbox_labels(profile, session_id);
     let uid = i64::from(profile.sandbox_uid);
     let mut limits = BTreeMap::from([
         (

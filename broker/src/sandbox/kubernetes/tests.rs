@@ -12,25 +12,25 @@ use kube::client::Body;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-const NS: &str = "sandboxes";
+pub(super) const NS: &str = "sandboxes";
 
 /// One request the mocked API server saw.
 #[derive(Debug, Clone)]
-struct Seen {
-    method: String,
+pub(super) struct Seen {
+    pub(super) method: String,
     /// Path and query, percent-decoded.
-    uri: String,
-    body: Value,
+    pub(super) uri: String,
+    pub(super) body: Value,
 }
 
 impl Seen {
-    fn is_watch(&self) -> bool {
+    pub(super) fn is_watch(&self) -> bool {
         self.uri.contains("watch=true")
     }
 }
 
 /// How the mocked API server answers one request.
-enum Reply {
+pub(super) enum Reply {
     /// A status and a JSON body.
     Json(u16, Value),
     /// 200 with these watch events, one per line, then the end of the watch.
@@ -42,7 +42,7 @@ enum Reply {
 }
 
 /// A client whose API server is `answer`, and what it was sent.
-fn mock_api(
+pub(super) fn mock_api(
     mut answer: impl FnMut(&Seen) -> Reply + Send + 'static,
 ) -> (kube::Client, Arc<Mutex<Vec<Seen>>>) {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -108,7 +108,7 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn config() -> Config {
+pub(super) fn config() -> Config {
     let mut config = Config::for_tests("/data".into(), "t");
     config.kubernetes.k8s_ready_timeout_secs = 2;
     config
@@ -120,7 +120,7 @@ fn backend(client: kube::Client, config: &Config) -> KubernetesBackend {
 
 /// Counts the failed calls a backend reports, by operation.
 #[derive(Default)]
-struct Failures(Mutex<Vec<String>>);
+pub(super) struct Failures(pub(super) Mutex<Vec<String>>);
 
 impl EngineObserver for Failures {
     fn api_error(&self, op: &str) {
@@ -128,14 +128,14 @@ impl EngineObserver for Failures {
     }
 }
 
-fn watched(backend: &KubernetesBackend) -> Arc<Failures> {
+pub(super) fn watched(backend: &KubernetesBackend) -> Arc<Failures> {
     let failures = Arc::new(Failures::default());
     backend.observe(failures.clone());
     failures
 }
 
 /// A pod named `name` in `phase`, its container in `state` (`{"running": {}}`, ...).
-fn pod(name: &str, phase: &str, state: Value) -> Value {
+pub(super) fn pod(name: &str, phase: &str, state: Value) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -159,7 +159,7 @@ fn pod(name: &str, phase: &str, state: Value) -> Value {
     })
 }
 
-fn pending(name: &str) -> Value {
+pub(super) fn pending(name: &str) -> Value {
     pod(
         name,
         "Pending",
@@ -167,7 +167,7 @@ fn pending(name: &str) -> Value {
     )
 }
 
-fn running(name: &str) -> Value {
+pub(super) fn running(name: &str) -> Value {
     pod(
         name,
         "Running",
@@ -186,7 +186,7 @@ fn evicted(name: &str) -> Value {
     pod
 }
 
-fn list_of(items: Vec<Value>, version: &str) -> Value {
+pub(super) fn list_of(items: Vec<Value>, version: &str) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "PodList",
@@ -195,7 +195,7 @@ fn list_of(items: Vec<Value>, version: &str) -> Value {
     })
 }
 
-fn status(code: u16, reason: &str, message: &str) -> Value {
+pub(super) fn status(code: u16, reason: &str, message: &str) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Status",
@@ -206,11 +206,11 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
     })
 }
 
-fn event(kind: &str, object: Value) -> Value {
+pub(super) fn event(kind: &str, object: Value) -> Value {
     json!({"type": kind, "object": object})
 }
 
-fn seen(log: &Arc<Mutex<Vec<Seen>>>) -> Vec<Seen> {
+pub(super) fn seen(log: &Arc<Mutex<Vec<Seen>>>) -> Vec<Seen> {
     log.lock().expect("log").clone()
 }
 
@@ -223,7 +223,7 @@ fn posted_name(log: &Arc<Mutex<Vec<Seen>>>) -> String {
         .expect("a pod was posted")
 }
 
-fn unavailable_reason(err: &anyhow::Error) -> Option<String> {
+pub(super) fn unavailable_reason(err: &anyhow::Error) -> Option<String> {
     err.chain()
         .find_map(|c| c.downcast_ref::<SandboxUnavailable>())
         .map(|u| u.0.clone())
