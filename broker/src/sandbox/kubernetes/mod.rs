@@ -52,6 +52,26 @@ const EXIT_WAIT: Duration = Duration::from_secs(5);
 /// How often a pod (or a claim) is looked at while waiting for its end (or its pod).
 const POLL_EVERY: Duration = Duration::from_millis(500);
 
+/// How long one create, delete or list may wait for the API server: the client's own bound
+/// (its read timeout) is nearly five minutes, for watches, and a request would wait as long.
+const API_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long `/health`'s one-item list may take: a probe must answer within seconds.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `call`, or the client's error for an API server that did not answer within `bound`.
+async fn within<T>(
+    bound: Duration,
+    call: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, kube::Error> {
+    tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+        Err(kube::Error::Service(Box::new(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer within {} s", bound.as_secs()),
+        ))))
+    })
+}
+
 /// Creates, attaches to, and deletes sandbox pods.
 pub(crate) struct KubernetesBackend {
     /// The pods of the sandbox namespace, through the broker's client.
@@ -174,6 +194,13 @@ impl KubernetesBackend {
     fn api_error_needing(&self, err: kube::Error, to: &str, needs: &str) -> anyhow::Error {
         let ns = &self.namespace;
         let reason = match &err {
+            // Admission, not RBAC: the pod spec breaks the namespace's Pod Security level.
+            kube::Error::Api(e) if e.code == 403 && e.message.contains("violates PodSecurity") => {
+                format!(
+                    "the namespace {ns}'s Pod Security admission refused to {to}: {}",
+                    e.message
+                )
+            }
             kube::Error::Api(e) if e.code == 401 || e.code == 403 => format!(
                 "the Kubernetes API server refused to {to} ({} {}: {}); the broker's service \
                  account needs a Role allowing {needs} in namespace {ns} (RBAC)",
@@ -214,13 +241,15 @@ impl KubernetesBackend {
         let name = new_pod_name();
         let pod = sandbox_pod(&self.profile, &self.settings, &name, session_id);
         let t0 = std::time::Instant::now();
-        self.pods
-            .create(&PostParams::default(), &pod)
-            .await
-            .map_err(|e| {
-                self.failed("create");
-                self.api_error(e, "create the sandbox pod")
-            })?;
+        within(
+            API_CALL_TIMEOUT,
+            self.pods.create(&PostParams::default(), &pod),
+        )
+        .await
+        .map_err(|e| {
+            self.failed("create");
+            self.api_error(e, "create the sandbox pod")
+        })?;
         let t_create = t0.elapsed();
         let channel = match self.run_and_attach(&name).await {
             Ok(channel) => channel,
@@ -352,7 +381,12 @@ impl KubernetesBackend {
     /// reconciler at the next start deletes what is left).
     async fn remove_pod(&self, name: &str) {
         self.lock_settled().remove(name);
-        match self.pods.delete(name, &DeleteParams::default()).await {
+        match within(
+            API_CALL_TIMEOUT,
+            self.pods.delete(name, &DeleteParams::default()),
+        )
+        .await
+        {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(err) => {
@@ -477,14 +511,15 @@ impl super::SandboxBackend for KubernetesBackend {
             return self.list_own_claims().await;
         }
         let selector = format!("{}={}", labels::INSTANCE, self.profile.instance);
-        let list = self
-            .pods
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .map_err(|e| {
-                self.failed("list");
-                self.api_error(e, "list the sandbox pods")
-            })?;
+        let list = within(
+            API_CALL_TIMEOUT,
+            self.pods.list(&ListParams::default().labels(&selector)),
+        )
+        .await
+        .map_err(|e| {
+            self.failed("list");
+            self.api_error(e, "list the sandbox pods")
+        })?;
         Ok(list
             .items
             .into_iter()
@@ -506,10 +541,12 @@ impl super::SandboxBackend for KubernetesBackend {
     }
 
     async fn ping(&self) -> bool {
-        self.pods
-            .list_metadata(&ListParams::default().limit(1))
-            .await
-            .is_ok()
+        within(
+            PING_TIMEOUT,
+            self.pods.list_metadata(&ListParams::default().limit(1)),
+        )
+        .await
+        .is_ok()
     }
 
     /// The kubelet pulls the image when a pod needs it; a missing image shows as a pod

@@ -924,3 +924,46 @@ async fn the_cpu_weight_is_never_set_and_the_image_is_the_kubelets_business() {
     assert!(!backend.hands_over_pooled());
     assert!(seen(&log).is_empty(), "no API call");
 }
+
+#[tokio::test]
+async fn a_pod_security_refusal_is_named_as_such_not_as_rbac() {
+    let (client, _log) = mock_api(|_| {
+        Reply::Json(
+            403,
+            status(
+                403,
+                "Forbidden",
+                "pods \"cb-0\" is forbidden: violates PodSecurity \"restricted:latest\": \
+                 allowPrivilegeEscalation != false",
+            ),
+        )
+    });
+    let backend = backend(client, &config());
+    let err = backend
+        .create_pod("abcdefghijklmnopqrstu", Warmup::Nothing)
+        .await
+        .err()
+        .expect("refused");
+    let reason = unavailable_reason(&err).expect("a reason for the client");
+    assert!(reason.contains("Pod Security admission"), "{reason}");
+    assert!(reason.contains("allowPrivilegeEscalation"), "{reason}");
+    assert!(!reason.contains("RBAC"), "{reason}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_api_server_that_never_answers_is_given_up_on() {
+    let (client, log) = mock_api(|_| Reply::Hang);
+    let backend = backend(client, &config());
+    let err = backend
+        .create_pod("abcdefghijklmnopqrstu", Warmup::Nothing)
+        .await
+        .err()
+        .expect("given up");
+    let reason = unavailable_reason(&err).expect("a reason for the client");
+    assert!(reason.contains("no answer within 30 s"), "{reason}");
+    assert_eq!(seen(&log).len(), 1, "only the create was sent");
+    // /health's probe gives up sooner, and the removal and the list give up too.
+    assert!(!backend.ping().await);
+    backend.remove_pod("cb-hung").await;
+    assert!(backend.list_own().await.is_err());
+}
