@@ -431,7 +431,19 @@ impl super::SandboxBackend for KubernetesBackend {
         true
     }
 
-    async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+    /// The container's `OOMKilled` reason, when it ended during the exec. The reason is
+    /// sticky (containerd keeps the first OOM event of a container for its end): after
+    /// an earlier exec's process was killed for memory while the runner lived on, it says
+    /// nothing about this end, which is then not reported as memory's.
+    async fn ended_out_of_memory(
+        &self,
+        sandbox_id: &str,
+        since: SystemTime,
+        oom_before: bool,
+    ) -> bool {
+        if oom_before {
+            return false;
+        }
         // The runner's stream may break before the cluster records the end: wait a little.
         let deadline = tokio::time::Instant::now() + EXIT_WAIT;
         loop {
