@@ -8,8 +8,8 @@
 #                (register it first: scripts/runsc-up.sh)
 #   make test-runner-files  the file, upload, exec and LibreChat suites with files moved
 #                through the runner (CODEBROKER_FILE_TRANSFER=runner)
-#   make test-k8s  the language, file, limit, lifecycle, streaming and LibreChat suites on the
-#                Kubernetes backend, against tests/k8s_standin (a stand-in API server, test
+#   make test-k8s  the language, file, limit, lifecycle, streaming, upload and LibreChat
+#                suites (and a few more) on the Kubernetes backend, against tests/k8s_standin (a stand-in API server, test
 #                code only, that runs each pod as a Docker container)
 #   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
@@ -66,7 +66,7 @@ test-runner-files: image
 	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test
 
 # The Kubernetes backend's whole path (pod create, list and watch, attach, delete, the
-# image read through a pod's log) under the suites, against the stand-in API server of
+# image read through a pod's log for /libraries) under the suites, against the stand-in API server of
 # tests/k8s_standin (test code only), which runs each pod as a Docker container; its
 # containers go when their pods are deleted and when it exits. Skipped, each a Docker-only
 # behaviour a pod does not have: docker inspect of the Docker profile's lockdown (a pod's
@@ -75,7 +75,7 @@ test-runner-files: image
 # over: the session starts its own pod); the four tests of the preload's CPU weight (a
 # pod's weight is its CPU request, fixed when it is created).
 K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads \
-	--test lifecycle --test streaming
+	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files
 K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
 	--skip an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart \
 	--skip a_pooled_kernel_has_the_data_stack_loaded_and_leaves_nothing_else \
