@@ -20,6 +20,9 @@ use tokio::sync::broadcast;
 /// Changes kept for watches to start from; older versions get 410 Gone.
 const HISTORY: usize = 4096;
 
+/// How often an ended pod's container is looked for, to forget the pod once it is gone.
+const GONE_POLL: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The grace period of a pod that gives none (the API server's default).
 const DEFAULT_GRACE_SECS: i64 = 30;
 
@@ -407,6 +410,23 @@ impl Cluster {
             .wait_container(&id, None::<WaitContainerOptions>);
         while let Some(Ok(_)) = wait.next().await {}
         self.record_state(&namespace, &name, &uid, &id).await;
+        // A container removed from outside (the suites remove a dropped broker's that
+        // way) takes its pod and the pod's volumes with it; a pod deleted through the
+        // API is forgotten by the delete.
+        while self
+            .get(&namespace, &name)
+            .is_ok_and(|p| p["metadata"]["uid"] == uid.as_str())
+        {
+            tokio::time::sleep(GONE_POLL).await;
+            if self
+                .docker
+                .inspect_container(&id, None::<InspectContainerOptions>)
+                .await
+                .is_err()
+            {
+                return self.forget(&namespace, &name, &uid);
+            }
+        }
     }
 
     /// Writes the container's state into the pod's status; a container that is gone
