@@ -75,7 +75,8 @@ test-runner-files: image
 # over: the session starts its own pod); the four tests of the preload's CPU weight (a
 # pod's weight is its CPU request, fixed when it is created).
 K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads \
-	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files
+	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files \
+	--test kubernetes
 K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
 	--skip an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart \
 	--skip a_pooled_kernel_has_the_data_stack_loaded_and_leaves_nothing_else \
