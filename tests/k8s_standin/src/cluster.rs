@@ -679,3 +679,99 @@ impl Cluster {
         let _ = std::fs::remove_dir_all(&self.volumes_dir);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cluster whose engine is never called: these tests stay off the Docker paths.
+    fn cluster() -> Arc<Cluster> {
+        let docker = Docker::connect_with_local_defaults().expect("client");
+        Cluster::new(
+            docker,
+            "t".into(),
+            vec!["ns".into()],
+            1,
+            "/nonexistent".into(),
+        )
+    }
+
+    /// Stores a pod as `create` would, without starting it.
+    fn add(cluster: &Cluster, name: &str) {
+        let mut pod = json!({"metadata": {"name": name, "uid": name}});
+        let mut store = cluster.lock();
+        cluster.commit(&mut store, "ADDED", "ns", &mut pod);
+        let key = ("ns".to_string(), name.to_string());
+        store.pods.insert(
+            key,
+            StoredPod {
+                pod,
+                container: None,
+            },
+        );
+    }
+
+    #[test]
+    fn a_missing_namespace_or_pod_is_a_404_status() {
+        let cluster = cluster();
+        let err = cluster.get("other", "cb-1").expect_err("namespace");
+        assert_eq!(
+            (err.code, err.message.as_str()),
+            (404, "namespaces \"other\" not found")
+        );
+        let err = cluster.get("ns", "cb-1").expect_err("pod");
+        assert_eq!(
+            (err.code, err.message.as_str()),
+            (404, "pods \"cb-1\" not found")
+        );
+        assert_eq!(
+            cluster.delete("ns", "cb-1", None).expect_err("delete").code,
+            404
+        );
+        let err = cluster.container_of("ns", "cb-1").expect_err("attach");
+        assert_eq!(err.code, 404);
+    }
+
+    #[tokio::test]
+    async fn a_second_pod_of_one_name_is_a_409_and_a_nameless_one_a_422() {
+        let cluster = cluster();
+        add(&cluster, "cb-1");
+        let pod = json!({"metadata": {"name": "cb-1"}, "spec": {"containers": [{}]}});
+        let err = cluster.create("ns", pod).expect_err("exists");
+        assert_eq!((err.code, err.reason), (409, "AlreadyExists"));
+        let err = cluster
+            .create("ns", json!({"metadata": {}, "spec": {"containers": [{}]}}))
+            .expect_err("nameless");
+        assert_eq!((err.code, err.reason), (422, "Invalid"));
+    }
+
+    #[test]
+    fn a_pod_waiting_for_its_container_cannot_be_attached() {
+        let cluster = cluster();
+        add(&cluster, "cb-1");
+        let err = cluster.container_of("ns", "cb-1").expect_err("waiting");
+        assert_eq!(err.code, 400);
+        assert!(err.message.contains("ContainerCreating"), "{}", err.message);
+    }
+
+    #[test]
+    fn watches_start_from_a_version_until_it_leaves_the_history() {
+        let cluster = cluster();
+        add(&cluster, "cb-1");
+        add(&cluster, "cb-2");
+        // From 0: the pods there are, as ADDED.
+        let (backlog, _) = cluster.watch("ns", 0).expect("ns").expect("watch");
+        assert_eq!(backlog.len(), 2);
+        // From a list's version: the changes after it only.
+        let (backlog, _) = cluster.watch("ns", 1).expect("ns").expect("watch");
+        assert_eq!(backlog.len(), 1);
+        assert_eq!(backlog[0].pod["metadata"]["name"], "cb-2");
+        assert_eq!(backlog[0].pod["metadata"]["resourceVersion"], "2");
+        for i in 0..HISTORY {
+            add(&cluster, &format!("cb-x{i}"));
+        }
+        // Version 1 is no longer in the history: 410 Gone.
+        assert!(cluster.watch("ns", 1).expect("ns").is_none());
+        assert!(cluster.watch("ns", 3).expect("ns").is_some());
+    }
+}
