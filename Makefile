@@ -8,6 +8,9 @@
 #                (register it first: scripts/runsc-up.sh)
 #   make test-runner-files  the file, upload, exec and LibreChat suites with files moved
 #                through the runner (CODEBROKER_FILE_TRANSFER=runner)
+#   make test-k8s  the language, file, limit, lifecycle, streaming, upload and LibreChat
+#                suites (and a few more) on the Kubernetes backend, against tests/k8s_standin
+#                (a stand-in API server, test code only, that runs each pod as a Docker container)
 #   make k8s-validate  the Kubernetes manifests (deploy/kubernetes) rendered and schema-checked offline
 #   make bench   one table of latency, throughput and footprint beside goals and baselines (BENCH_QUICK=1: smoke run)
 
@@ -16,7 +19,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files
+.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files test-k8s
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -62,6 +65,39 @@ RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programm
 test-runner-files: image
 	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
 	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test
+
+# The Kubernetes backend's whole path (pod create, list and watch, attach, delete, the
+# image read through a pod's log for /libraries) under the suites, against the stand-in API server of
+# tests/k8s_standin (test code only), which runs each pod as a Docker container; its
+# containers go when their pods are deleted and when it exits. Skipped, each a Docker-only
+# behaviour a pod does not have: docker inspect of the Docker profile's lockdown (a pod's
+# lockdown is its spec, checked request by request in the backend's unit tests); a pooled
+# container's workspace handed to an upload session (a pod's emptyDir cannot be handed
+# over: the session starts its own pod); the four tests of the preload's CPU weight (a
+# pod's weight is its CPU request, fixed when it is created).
+K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads \
+	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files \
+	--test kubernetes
+K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
+	--skip an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart \
+	--skip a_pooled_kernel_has_the_data_stack_loaded_and_leaves_nothing_else \
+	--skip without_preload_a_pooled_kernel_imports_nothing_ahead \
+	--skip an_exec_right_after_the_take_stops_the_preload_and_gets_the_usual_weight \
+	--skip a_first_exec_in_another_language_stops_the_preload_too
+test-k8s: image
+	$(CARGO) build -p k8s-standin -p codebroker --bins
+	@set -e; dir=$$(mktemp -d); \
+	$(CARGO) run -q -p k8s-standin -- --kubeconfig "$$dir/kubeconfig" & standin=$$!; \
+	trap 'kill $$standin 2>/dev/null; wait $$standin; rm -rf "$$dir"' EXIT; \
+	while [ ! -s "$$dir/kubeconfig" ]; do \
+		kill -0 $$standin 2>/dev/null || { echo "k8s-standin did not start" >&2; exit 1; }; \
+		sleep 0.2; \
+	done; \
+	export CODEBROKER_BACKEND=kubernetes KUBECONFIG="$$dir/kubeconfig"; \
+	if [ -n "$$CARGO_TARGET_DIR" ] && [ -z "$$CODEBROKER_BIN" ]; then \
+		export CODEBROKER_BIN="$$CARGO_TARGET_DIR/debug/codebroker"; fi; \
+	$(CARGO) test -p codebroker $(K8S_SUITES) -- --test-threads=4 $(K8S_SKIP); \
+	$(MAKE) --no-print-directory librechat-test
 
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:

@@ -190,10 +190,12 @@ open('/mnt/data/out.txt', 'w').write('made by ' + os.environ.get('USER', 'me'))
 print('now', open(p).read().strip() if os.path.exists(p) else 'gone')
 "#;
 
-/// Whether files move through the runner (`make test-runner-files`): read-only files are
-/// then the sandbox user's, mode 0444, and code can `chmod` its own copy.
+/// Whether files move through the runner (`make test-runner-files`, and always on the
+/// Kubernetes backend): read-only files are then the sandbox user's, mode 0444, and code
+/// can `chmod` its own copy.
 fn through_the_runner() -> bool {
     std::env::var("CODEBROKER_FILE_TRANSFER").as_deref() == Ok("runner")
+        || common::docker::kubernetes()
 }
 
 #[tokio::test]

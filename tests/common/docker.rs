@@ -32,6 +32,28 @@ pub fn docker(args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("docker {args:?}: {e}"))
 }
 
+/// Whether the suites run on the Kubernetes backend (`CODEBROKER_BACKEND=kubernetes`, as
+/// `make test-k8s` sets it): then an instance's sandboxes are pods, which the stand-in
+/// API server (tests/k8s_standin) runs as containers with the pod's labels copied under
+/// a prefix of its own.
+pub fn kubernetes() -> bool {
+    std::env::var("CODEBROKER_BACKEND").is_ok_and(|b| b.eq_ignore_ascii_case("kubernetes"))
+}
+
+/// A Docker label filter (`key=value`) for a sandbox label: on the Kubernetes backend,
+/// the stand-in's copy of the pod label (a session label's value is `s-<id>-s` there).
+fn label_filter(label: &str) -> String {
+    if !kubernetes() {
+        return label.to_string();
+    }
+    match label.split_once('=') {
+        Some(("codebroker.session", id)) => {
+            format!("k8s-standin.pod-label.codebroker.session=s-{id}-s")
+        }
+        _ => format!("k8s-standin.pod-label.{label}"),
+    }
+}
+
 /// Ids of this instance's containers, stopped ones included.
 pub fn containers_of(instance: &str) -> Vec<String> {
     containers_matching(instance, &[])
@@ -53,12 +75,12 @@ fn list_containers(instance: &str, labels: &[&str], all: bool) -> Vec<String> {
     if all {
         args.push("-a".into());
     }
-    args.extend([
-        "--filter".to_string(),
-        format!("label=codebroker.instance={instance}"),
-    ]);
-    for label in labels {
-        args.extend(["--filter".to_string(), format!("label={label}")]);
+    let instance = format!("codebroker.instance={instance}");
+    for label in std::iter::once(instance.as_str()).chain(labels.iter().copied()) {
+        args.extend([
+            "--filter".to_string(),
+            format!("label={}", label_filter(label)),
+        ]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     String::from_utf8_lossy(&docker(&args).stdout)

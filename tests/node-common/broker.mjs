@@ -31,10 +31,19 @@ async function freePort() {
   });
 }
 
-/** `docker ps -aq --filter label=codebroker.instance=<instance> | xargs docker rm -f` */
+/**
+ * The Docker label of an instance's sandboxes: on the Kubernetes backend (`make test-k8s`)
+ * they are pods, which the stand-in API server (tests/k8s_standin) runs as containers with
+ * the pod's labels copied under a prefix of its own.
+ */
+const INSTANCE_LABEL = /^kubernetes$/i.test(process.env.CODEBROKER_BACKEND ?? '')
+  ? 'k8s-standin.pod-label.codebroker.instance'
+  : 'codebroker.instance';
+
+/** `docker ps -aq --filter label=<instance label>=<instance> | xargs docker rm -f` */
 export function removeContainers(instance) {
   try {
-    const ids = execFileSync('docker', ['ps', '-aq', '--filter', `label=codebroker.instance=${instance}`], {
+    const ids = execFileSync('docker', ['ps', '-aq', '--filter', `label=${INSTANCE_LABEL}=${instance}`], {
       encoding: 'utf8',
     })
       .split(/\s+/)

@@ -76,8 +76,17 @@ pub(crate) trait SandboxBackend: Send + Sync {
     /// Whether the sandbox image is present.
     async fn image_present(&self) -> bool;
 
-    /// Whether the sandbox `sandbox_id` ended because it ran out of memory since `since`.
-    async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool;
+    /// Whether the sandbox `sandbox_id` ended because it ran out of memory since `since`;
+    /// `oom_before`: its runner already reported a process of an earlier exec killed for
+    /// memory (see [`Sandbox::had_an_oom_kill`]).
+    ///
+    /// [`Sandbox::had_an_oom_kill`]: super::Sandbox::had_an_oom_kill
+    async fn ended_out_of_memory(
+        &self,
+        sandbox_id: &str,
+        since: SystemTime,
+        oom_before: bool,
+    ) -> bool;
 
     /// Reads one file out of the sandbox image.
     async fn read_image_file(&self, path: &str) -> anyhow::Result<Vec<u8>>;
@@ -171,7 +180,13 @@ impl SandboxBackend for DockerBackend {
         DockerBackend::image_present(self).await
     }
 
-    async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+    /// The engine's `oom` events are timed, so an earlier OOM kill does not count.
+    async fn ended_out_of_memory(
+        &self,
+        sandbox_id: &str,
+        since: SystemTime,
+        _oom_before: bool,
+    ) -> bool {
         DockerBackend::ended_out_of_memory(self, sandbox_id, since).await
     }
 

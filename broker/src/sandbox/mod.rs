@@ -52,6 +52,9 @@ pub(crate) struct Sandbox {
     pub(crate) container_id: String,
     /// The attached stdio of the runner.
     channel: RunnerChannel,
+    /// The runner reported a process killed for memory in one of its execs: a cluster
+    /// marks the container `OOMKilled` from then on, however it ends later.
+    oom_killed_before: std::sync::atomic::AtomicBool,
 }
 
 impl Sandbox {
@@ -59,7 +62,15 @@ impl Sandbox {
         Sandbox {
             container_id,
             channel,
+            oom_killed_before: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Whether an exec of this sandbox had a process killed for memory (the runner lived
+    /// on and said so).
+    pub(crate) fn had_an_oom_kill(&self) -> bool {
+        self.oom_killed_before
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the runner can still be reached.
@@ -85,7 +96,15 @@ impl Sandbox {
         on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
         sink: Option<&tokio::sync::mpsc::Sender<WorkerMessage>>,
     ) -> Result<ExecResponse, ChannelError> {
-        self.channel.request_as(job, request, on_event, sink).await
+        let response = self
+            .channel
+            .request_as(job, request, on_event, sink)
+            .await?;
+        if response.limits.contains(&sandbox_runner::Limit::Memory) {
+            self.oom_killed_before
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(response)
     }
 
     /// Sends one file request (`sandbox_runner::files`) and waits for its answer.

@@ -118,9 +118,10 @@ test('JWT: one skill upload serves every user of the tenant, read-only; another 
   // writes into bob's session, not the skill's.
   const mark = proxy.log.length;
   const byBob = await runWith(codeTool({ user: BOB, files: refs, authHeaders: bob }), TAMPER);
-  // Files moved through the runner (make test-runner-files) are the sandbox user's own, so
-  // a remove succeeds there; the broker then puts the file back and says so.
-  if (process.env.CODEBROKER_FILE_TRANSFER === 'runner') {
+  // Files moved through the runner (make test-runner-files, and always on the Kubernetes
+  // backend) are the sandbox user's own, so a remove succeeds there; the broker then puts
+  // the file back and says so.
+  if (process.env.CODEBROKER_FILE_TRANSFER === 'runner' || /^kubernetes$/i.test(process.env.CODEBROKER_BACKEND ?? '')) {
     assert.match(byBob.text, /template TEMPLATE v3\nwrite refused\nremove done\nmade report\.txt/);
     assert.match(byBob.text, /skills\/report\/template\.txt is a read-only upload; it was put back in \/mnt\/data/);
   } else {

@@ -541,7 +541,7 @@ async fn an_oom_is_looked_for_on_the_claims_pod() {
     let backend = backend(client);
     assert!(
         backend
-            .ended_out_of_memory("cb-7", std::time::SystemTime::now())
+            .ended_out_of_memory("cb-7", std::time::SystemTime::now(), false)
             .await
     );
     let uris: Vec<String> = seen(&log).into_iter().map(|s| s.uri).collect();

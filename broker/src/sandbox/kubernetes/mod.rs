@@ -555,7 +555,19 @@ impl super::SandboxBackend for KubernetesBackend {
         true
     }
 
-    async fn ended_out_of_memory(&self, sandbox_id: &str, since: SystemTime) -> bool {
+    /// The container's `OOMKilled` reason, when it ended during the exec. The reason is
+    /// sticky (containerd keeps the first OOM event of a container for its end): after
+    /// an earlier exec's process was killed for memory while the runner lived on, it says
+    /// nothing about this end, which is then not reported as memory's.
+    async fn ended_out_of_memory(
+        &self,
+        sandbox_id: &str,
+        since: SystemTime,
+        oom_before: bool,
+    ) -> bool {
+        if oom_before {
+            return false;
+        }
         let pod = match self.claims {
             Some(_) => match self.claimed_pod(sandbox_id).await {
                 Ok(pod) => pod,

@@ -867,7 +867,10 @@ async fn an_oom_killed_container_is_told_from_other_ends() {
     for (pod, expected) in cases {
         let (client, log) = mock_api(move |_| Reply::Json(200, pod.clone()));
         let backend = backend(client, &config());
-        assert_eq!(backend.ended_out_of_memory("cb-10", now).await, expected);
+        assert_eq!(
+            backend.ended_out_of_memory("cb-10", now, false).await,
+            expected
+        );
         let get = &seen(&log)[0];
         assert_eq!(get.method, "GET");
         assert_eq!(get.uri, format!("/api/v1/namespaces/{NS}/pods/cb-10"));
@@ -876,7 +879,16 @@ async fn an_oom_killed_container_is_told_from_other_ends() {
         mock_api(|_| Reply::Json(404, status(404, "NotFound", "pods \"cb-10\" not found")));
     assert!(
         !backend(client, &config())
-            .ended_out_of_memory("cb-10", now)
+            .ended_out_of_memory("cb-10", now, false)
+            .await
+    );
+    // OOMKilled is sticky: once the runner reported a process killed for memory, a
+    // later end of the pod (killed, deleted, its node lost) is not memory's.
+    let killed = killed_at(now);
+    let (client, _log) = mock_api(move |_| Reply::Json(200, killed.clone()));
+    assert!(
+        !backend(client, &config())
+            .ended_out_of_memory("cb-10", now, true)
             .await
     );
 }
