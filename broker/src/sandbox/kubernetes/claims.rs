@@ -26,7 +26,7 @@
 //! labels: only claims are listed and deleted, never pods, and a warm pool's pods are
 //! left to the controller.
 
-use super::pod_spec::{new_pod_name, sandbox_labels, session_of_label};
+use super::pod_spec::{new_pod_name, sandbox_labels};
 use super::pod_state::{pod_state, PodState};
 use super::{KubernetesBackend, OwnContainer, POLL_EVERY};
 use crate::config::SandboxProfile;
@@ -392,17 +392,7 @@ impl KubernetesBackend {
             .into_iter()
             .filter_map(|claim| {
                 let running = matches!(claim_state(&claim), ClaimState::Bound(_));
-                let session = claim
-                    .metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(labels::SESSION))
-                    .and_then(|v| session_of_label(v));
-                Some(OwnContainer {
-                    id: claim.metadata.name?,
-                    session,
-                    running,
-                })
+                super::own_sandbox(claim.metadata, running)
             })
             .collect())
     }

@@ -59,6 +59,23 @@ const API_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `/health`'s one-item list may take: a probe must answer within seconds.
 const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// One of this instance's sandboxes (a pod, or a claim), by its name and session label.
+fn own_sandbox(
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    running: bool,
+) -> Option<OwnContainer> {
+    let session = metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(labels::SESSION))
+        .and_then(|v| session_of_label(v));
+    Some(OwnContainer {
+        id: metadata.name?,
+        session,
+        running,
+    })
+}
+
 /// `call`, or the client's error for an API server that did not answer within `bound`.
 async fn within<T>(
     bound: Duration,
@@ -525,17 +542,7 @@ impl super::SandboxBackend for KubernetesBackend {
             .into_iter()
             .filter_map(|pod| {
                 let running = pod_state(&pod) == PodState::Running;
-                let session = pod
-                    .metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(labels::SESSION))
-                    .and_then(|v| session_of_label(v));
-                Some(OwnContainer {
-                    id: pod.metadata.name?,
-                    session,
-                    running,
-                })
+                own_sandbox(pod.metadata, running)
             })
             .collect())
     }
