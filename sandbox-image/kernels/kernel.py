@@ -955,9 +955,10 @@ def make_tool_function(func_name, tool, socket_path):
 # CODEBROKER_PRELOAD list: the runner writes `{"type": "preload", "modules": [...]}` on fd 3
 # (when the broker says so: it lets only a few pooled kernels preload at once). A kernel that
 # has received any other request first ignores it. A background thread then imports the
-# modules one by one and, when matplotlib.pyplot is among them, draws one figure (with pandas
-# when it is loaded) and saves it to memory, so that the first plot of the session finds the
-# fonts, the Agg renderer, the PNG writer and pandas' plotting backend loaded. It ends with a
+# modules one by one and, when matplotlib.pyplot is among them, draws one small figure and
+# saves it to memory (and imports pandas' plotting backend when pandas is loaded), so that
+# the first plot of the session finds the fonts, the Agg renderer, the PNG writer and
+# pandas' plotting backend loaded. It ends with a
 # `preloaded` event (the runner's `hello` answers say `preloading` until then).
 #
 # Nothing else of it is visible to the session: the figure is a bare matplotlib.figure.Figure
@@ -1096,24 +1097,25 @@ class Preload:
 
 
 def warm_up_plotting():
-    """Draw one figure into memory, outside pyplot's figure registry: the first plot's font
-    loading, Agg renderer and PNG writer (Pillow), and, with pandas loaded, pandas' plotting
-    backend (the first df.plot() imports and sets it up: about half of its cost), done
-    ahead. pandas registers its unit converters only for the duration of a plot call."""
+    """Draw one small figure into memory, outside pyplot's figure registry: the first
+    plot's font loading, Agg renderer and PNG writer (Pillow) done ahead, and, with pandas
+    loaded, pandas' plotting backend imported (the first df.plot() imports it). A small
+    figure with one line, a title and a legend: a full-size pandas plot would cost four
+    times the CPU for about 15 ms less in the session's first plot, and on a busy host
+    the pool's CPU is what keeps it ahead of new sessions (docs/PERFORMANCE.md)."""
     import io
 
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure()  # the default size and dpi, as a session's plt.figure() gets
+    if "pandas" in sys.modules:
+        import pandas.plotting._matplotlib  # noqa: F401 (what df.plot() imports first)
+    fig = Figure(figsize=(1, 1), dpi=10)
     ax = fig.add_subplot()
-    pandas = sys.modules.get("pandas")
-    if pandas is not None:
-        pandas.DataFrame({"a": [0, 1, 2], "b": [0, 1, 4]}).plot(ax=ax, title="warm-up")
-    else:
-        ax.plot([0, 1, 2], [0, 1, 4], label="warm-up")
-        ax.set_title("warm-up")
-        ax.legend()
-    fig.savefig(io.BytesIO(), format="png")
+    ax.plot([0, 1], [0, 1], label="warm-up")
+    ax.set_title("warm-up")
+    ax.legend()
+    FigureCanvasAgg(fig).print_png(io.BytesIO())
 
 
 # --------------------------------------------------------------------------------------------
