@@ -321,15 +321,7 @@ impl DockerBackend {
     /// Re-attaches to a running container of ours (after a broker restart).
     pub(crate) async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
         let channel = self.attach_channel(container_id).await?;
-        let sandbox = Sandbox::new(container_id.to_string(), channel);
-        // The runner may still run an exec of the broker that died: stop it first. The
-        // runner stops an exec within a second or two (a kernel that ignores SIGINT is
-        // killed), so the hello timeout bounds the wait.
-        tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
-            .await
-            .map_err(|_| anyhow!("the runner did not become idle within {HELLO_TIMEOUT:?}"))?
-            .context("the runner did not answer")?;
-        Ok(sandbox)
+        Sandbox::adopted(container_id.to_string(), channel, HELLO_TIMEOUT).await
     }
 
     async fn attach_channel(&self, id: &str) -> anyhow::Result<RunnerChannel> {

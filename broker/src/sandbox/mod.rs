@@ -66,6 +66,24 @@ impl Sandbox {
         }
     }
 
+    /// A sandbox of ours re-attached after a broker restart, once its runner is idle: it
+    /// may still run an exec of the broker that died, which is stopped first. The runner
+    /// stops an exec within a second or two (a kernel that ignores SIGINT is killed), so
+    /// `within` (the hello timeout) bounds the wait.
+    pub(crate) async fn adopted(
+        container_id: String,
+        channel: RunnerChannel,
+        within: std::time::Duration,
+    ) -> anyhow::Result<Sandbox> {
+        use anyhow::Context;
+        let sandbox = Sandbox::new(container_id, channel);
+        tokio::time::timeout(within, sandbox.stop_orphaned_job())
+            .await
+            .map_err(|_| anyhow::anyhow!("the runner did not become idle within {within:?}"))?
+            .context("the runner did not answer")?;
+        Ok(sandbox)
+    }
+
     /// Whether an exec of this sandbox had a process killed for memory (the runner lived
     /// on and said so).
     pub(crate) fn had_an_oom_kill(&self) -> bool {
@@ -157,7 +175,7 @@ impl Sandbox {
 
     /// Stops an exec the runner still runs for an earlier broker (one that died during
     /// it) and waits until the runner is idle, so the next exec is not refused as busy.
-    pub(crate) async fn stop_orphaned_job(&self) -> Result<(), ChannelError> {
+    async fn stop_orphaned_job(&self) -> Result<(), ChannelError> {
         loop {
             let hello = self.hello(Warmup::Nothing).await?;
             let Some(job) = hello.running_job else {

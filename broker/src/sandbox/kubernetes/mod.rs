@@ -497,13 +497,7 @@ impl super::SandboxBackend for KubernetesBackend {
             None => sandbox_id.to_string(),
         };
         let channel = self.attach_channel(&pod).await?;
-        let sandbox = Sandbox::new(sandbox_id.to_string(), channel);
-        // The runner may still run an exec of the broker that died: stop it first.
-        tokio::time::timeout(HELLO_TIMEOUT, sandbox.stop_orphaned_job())
-            .await
-            .map_err(|_| anyhow!("the runner did not become idle within {HELLO_TIMEOUT:?}"))?
-            .context("the runner did not answer")?;
-        Ok(sandbox)
+        Sandbox::adopted(sandbox_id.to_string(), channel, HELLO_TIMEOUT).await
     }
 
     /// A pod's CPU weight is its request, fixed when it is created: never set.
