@@ -110,6 +110,14 @@ async fn health_and_libraries() {
     let health: Value = broker.get("/v1/health").await.json().await.expect("json");
     assert_eq!(health["status"], "ok", "{health}");
     assert_eq!(health["image"]["present"], true);
+    // Which backend answers: the suite runs on Docker and (make test-k8s) on Kubernetes.
+    let backend = std::env::var("CODEBROKER_BACKEND").unwrap_or_else(|_| "docker".into());
+    assert_eq!(health["backend"]["kind"], backend.as_str(), "{health}");
+    assert_eq!(health["backend"]["reachable"], true, "{health}");
+    assert_eq!(
+        health["docker"]["reachable"], true,
+        "kept for older clients: {health}"
+    );
     assert_eq!(
         health["languages"].as_array().map(|a| a.len()),
         Some(LANGUAGES.len())
