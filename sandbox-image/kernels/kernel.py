@@ -35,6 +35,7 @@ CODEBROKER_OUTPUT_FLUSH_MS changes the flush interval.
 """
 
 import _thread
+import gc
 import io
 import os
 import sys
@@ -974,6 +975,14 @@ def make_tool_function(func_name, tool, socket_path):
 # inherits a half-imported module whose lock belongs to a thread it does not have. A name
 # that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
 # runner writes it to its stderr, which the broker logs) and skipped.
+#
+# The cyclic garbage collector is paused while the preload imports: importing the data stack
+# allocates some 100,000 objects that live as long as the process, and the collections they
+# trigger cost about a tenth of the preload's CPU (45 of 460 ms), which every pool refill
+# pays. A preload that completes then freezes what it loaded (`gc.freeze()`), so the
+# session's collections do not walk the modules' objects again either (its first plot is
+# 4 ms faster). The pause ends, under the import lock, before any cell can run: the thread
+# resumes collection when it ends, and so does a request's wait for the import under way.
 
 PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
 FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
@@ -1006,17 +1015,34 @@ class Preload:
         self.importing = _thread.allocate_lock()  # held during each import, for fork()
         self.thread_id = None
         self.stopped = False  # set by the main thread at the first request
+        self.gc_paused = False  # this preload turned the garbage collector off (under the lock)
 
     def stop(self):
         self.stopped = True
+
+    def pause_gc(self):
+        """Turns the collector off for the imports, unless it is off already. Under the lock."""
+        if not self.gc_paused and gc.isenabled():
+            gc.disable()
+            self.gc_paused = True
+
+    def resume_gc(self):
+        """Turns the collector back on if this preload turned it off. Under the lock."""
+        if self.gc_paused:
+            self.gc_paused = False
+            gc.enable()
 
     def wait_for_import_under_way(self):
         """Blocks until the import under way (if any) has ended. A cell must not run beside
         it: two threads importing modules that import each other (traceback and linecache
         while pandas loads) get one of them half initialized, since Python breaks such an
-        import deadlock by handing out the partial module."""
+        import deadlock by handing out the partial module. The cell that follows runs with
+        the garbage collector on."""
         if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
-            self.importing.release()
+            try:
+                self.resume_gc()
+            finally:
+                self.importing.release()
 
     def start(self):
         # threading is imported here, in the main thread, so that threading.main_thread() is
@@ -1060,6 +1086,11 @@ class Preload:
         try:
             self.import_all()
         finally:
+            with self.importing:
+                if self.gc_paused and not self.stopped:
+                    # All of it loaded: out of the session's collections from now on.
+                    gc.freeze()
+                self.resume_gc()
             # The runner's `hello` answers say `preloading` until this arrives; the broker
             # then gives the pooled container its CPU weight back.
             try:
@@ -1081,6 +1112,7 @@ class Preload:
                     # `stopped` and no longer waits for this import.
                     if self.stopped:
                         return
+                    self.pause_gc()
                     __import__(name)
             except BaseException as e:  # whatever a module raises, the kernel goes on
                 self.log("cannot import %s: %s: %s" % (name, type(e).__name__, e))
@@ -1091,6 +1123,7 @@ class Preload:
                 with self.importing:
                     if self.stopped:
                         return
+                    self.pause_gc()
                     warm_up_plotting()
             except BaseException as e:
                 self.log("cannot warm up plotting: %s: %s" % (type(e).__name__, e))

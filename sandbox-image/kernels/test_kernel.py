@@ -1225,6 +1225,9 @@ def test_preload_leaves_no_state_a_session_could_see():
         assert _wait_for_preload(k) is False
         code, out, err = k.run("import sys\nprint(sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules))")
         assert_ok((code, out, err), "['matplotlib.pyplot', 'numpy', 'pandas']\n")
+        # The collector is back on, and what the preload loaded is frozen out of its walks.
+        assert_ok(k.run("import gc\nprint(gc.isenabled(), gc.get_freeze_count() > 10000)"),
+                  "True True\n")
         code, preloaded, err = k.run(_STATE)
         assert code == 0, err
         assert k.logs == [], k.logs
@@ -1271,19 +1274,23 @@ def test_preload_stops_at_the_first_request():
             # the module being preloaded waits for it and gets it whole; the preload
             # then ends without importing marker_second.
             code, out, err = k.run(
-                "import sys, time\nimport slow_first\nprint(slow_first.DONE)\n"
+                "import gc, sys, time\nimport slow_first\nprint(slow_first.DONE)\n"
+                "print(gc.isenabled())\n"
                 "time.sleep(0.3)\nprint('marker_second' in sys.modules)"
             )
-            assert_ok((code, out, err), "True\nFalse\n")
+            # The preload paused the collector for its import; the cell runs with it on.
+            assert_ok((code, out, err), "True\nTrue\nFalse\n")
             assert _wait_for_preload(k) is True
-            assert_ok(k.run("import sys\nprint('marker_second' in sys.modules)"), "False\n")
+            assert_ok(k.run("import gc, sys\nprint('marker_second' in sys.modules)\n"
+                            "print(gc.isenabled(), gc.get_freeze_count())"), "False\nTrue 0\n")
         # The runner's stop line (an exec in another language came first) stops it too,
         # and is not answered.
         with Kernel(env=env) as k:
             k.preload(["slow_first", "marker_second"])
             os.write(k.req_w, b'{"type":"stop_preload"}\n')
             assert _wait_for_preload(k) is True
-            assert_ok(k.run("import sys\nprint('marker_second' in sys.modules)"), "False\n")
+            assert_ok(k.run("import gc, sys\nprint('marker_second' in sys.modules, gc.isenabled())"),
+                      "False True\n")
     finally:
         shutil.rmtree(lib, ignore_errors=True)
 
