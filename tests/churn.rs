@@ -88,6 +88,56 @@ async fn the_cap_evicts_the_least_recently_used_container() {
 }
 
 #[tokio::test]
+async fn a_container_evicted_to_make_room_goes_once_the_exec_that_needed_it_ends() {
+    let broker = TestBroker::start_with("cap-after", |c| {
+        c.caps.max_live_sandboxes = 1;
+        c.single_use_ttl_secs = 0;
+    })
+    .await;
+    let first = session(&broker.run("py", "x = 1", None).await);
+    let first_container = broker.containers();
+    assert_eq!(first_container.len(), 1);
+    let first_container = first_container[0].clone();
+    let running = common::docker::is_running;
+
+    // A new session's exec takes the only place: the first session's container is
+    // evicted at once (the cap holds), but removed only after that exec.
+    let sent = Instant::now();
+    let exec = broker.run("py", "import time\ntime.sleep(1)\nprint('done')", None);
+    let watch = async {
+        // Until the new container runs; its exec then sleeps a second.
+        eventually("the new container", || {
+            broker
+                .containers()
+                .iter()
+                .any(|id| *id != first_container && running(id))
+        })
+        .await;
+        // Seen well within the removal's wait (2 s) only; a slower host proves nothing.
+        let seen_in_time = sent.elapsed() < Duration::from_millis(1500);
+        (seen_in_time, running(&first_container))
+    };
+    let (r, (seen_in_time, first_still_running)) = tokio::join!(exec, watch);
+    assert_eq!(stdout(&r), "done\n", "{r}");
+    if seen_in_time {
+        assert!(
+            first_still_running,
+            "the evicted container was removed while the exec that needed room ran"
+        );
+    } else {
+        eprintln!("host too slow to see the removal wait: only its end is checked");
+    }
+    assert_eq!(health(&broker).await["sandboxes"]["live"], 1);
+    eventually("the evicted container removed after the exec", || {
+        !broker.containers().contains(&first_container)
+    })
+    .await;
+    // Its session's state was saved before the removal and comes back.
+    let r = broker.run("py", "print(x)", Some(&first)).await;
+    assert_eq!(stdout(&r), "1\n", "{r}");
+}
+
+#[tokio::test]
 async fn containers_of_single_use_sessions_go_first() {
     let broker = TestBroker::start_with("ttl1", |c| {
         c.single_use_ttl_secs = 2;

@@ -15,6 +15,12 @@ use crate::workspace::Workspace;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+/// How long the removal of a container evicted to make room for an exec waits for that
+/// exec to end (see [`Broker::make_room`]). A session's first exec typically ends well
+/// within it; a longer one lets the removal go meanwhile.
+const REMOVAL_WAITS_FOR_EXEC: Duration = Duration::from_secs(2);
 
 /// Where a session records the pooled container it was handed (see
 /// [`Broker::sandbox_from_pool`]).
@@ -36,7 +42,9 @@ impl Broker {
             }
             self.discard_sandbox(session, &sandbox).await;
         }
-        self.make_room(session.meta.user.as_deref());
+        if let Some(removals) = self.make_room(session.meta.user.as_deref()) {
+            session.hold_until_exec_ends(removals);
+        }
         let _slot = self
             .limits
             .container_slot(&self.registry, session.meta.user.as_deref())?;
@@ -71,7 +79,7 @@ impl Broker {
         if !self.backend.hands_over_pooled() {
             return None;
         }
-        let pooled = self.pool.take()?;
+        let mut pooled = self.pool.take()?;
         let ours = session.workspace.clone();
         let theirs = pooled.workspace.clone();
         let backend = self.backend.clone();
@@ -103,6 +111,9 @@ impl Broker {
             }),
         );
         self.take_pooled(&pooled);
+        if let Some(refill) = pooled.exec_ended.take() {
+            session.hold_until_exec_ends(refill);
+        }
         session.set_sandbox(Some(pooled.sandbox.clone()));
         Some(pooled.sandbox)
     }
@@ -230,10 +241,15 @@ impl Broker {
         self.live_sessions().0.len()
     }
 
-    /// Before one more session sandbox starts for `user`: removes the least recently
-    /// used idle ones over the caps (and any past a TTL). The removal itself runs in the
-    /// background, so the new session does not wait for the engine.
-    pub(crate) fn make_room(&self, user: Option<&str>) {
+    /// Before one more session sandbox starts for `for_session`'s user: takes the
+    /// sandbox away from the least recently used idle sessions over the caps (and any
+    /// past a TTL), so the caps hold at once. Their state saves and container removals run
+    /// in the background once the exec that needed the room has ended (at most
+    /// [`REMOVAL_WAITS_FOR_EXEC`] later): on a small host they would otherwise take CPU
+    /// from that exec, which is a session's first and which a user waits for. The
+    /// returned guard, dropped, lets them go; [`Session::hold_until_exec_ends`] keeps
+    /// it for the exec under way.
+    pub(crate) fn make_room(&self, user: Option<&str>) -> Option<DropGuard> {
         let (sessions, live) = self.live_sessions();
         // Containers still starting for other requests hold no session sandbox yet, but
         // will: counted, so concurrent starts do not overshoot the cap.
@@ -241,18 +257,26 @@ impl Broker {
             total: 1 + self.pool.cold_starts(),
             user: Some(user),
         };
-        for (i, reason) in evict::victims(&self.evict_policy(), &live, now_ms(), room) {
-            self.evict_detached(&sessions[i], reason, live[i].uses);
+        let victims = evict::victims(&self.evict_policy(), &live, now_ms(), room);
+        if victims.is_empty() {
+            return None;
         }
+        let exec_ended = CancellationToken::new();
+        for (i, reason) in victims {
+            self.evict_detached(&sessions[i], reason, live[i].uses, &exec_ended);
+        }
+        Some(exec_ended.drop_guard())
     }
 
     /// Takes the sandbox away from an idle session and removes its container in the
-    /// background; a session that became busy meanwhile keeps it.
-    pub(crate) fn evict_detached(
+    /// background, once `exec_ended` is cancelled or [`REMOVAL_WAITS_FOR_EXEC`] has
+    /// passed; a session that became busy meanwhile keeps it.
+    fn evict_detached(
         &self,
         session: &Arc<Session>,
         reason: Reason,
         seen_uses: u64,
+        exec_ended: &CancellationToken,
     ) -> bool {
         // Used since the snapshot that chose it: no longer the least recently used.
         let Some(turn) = session.claim_unused_since(seen_uses) else {
@@ -267,7 +291,9 @@ impl Broker {
             self.backend.clone(),
             session.clone(),
         );
+        let exec_ended = exec_ended.clone();
         tokio::spawn(async move {
+            let _ = tokio::time::timeout(REMOVAL_WAITS_FOR_EXEC, exec_ended.cancelled()).await;
             // The session's next exec waits for the save, so that it finds the state.
             state::save_before_removal(rules, &session, &sandbox).await;
             drop(turn);

@@ -217,13 +217,14 @@ impl Broker {
             &self.config.data_dir,
             self.config.caps.min_free_disk,
         )?;
-        if for_exec {
-            self.make_room(user);
+        let removals = if for_exec {
+            self.make_room(user)
         } else {
             // A session made by an upload holds no container, but a directory and a
             // registry entry until its files expire: it costs one of the user's execs.
             self.limits.check_exec(user)?;
-        }
+            None
+        };
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
             .then(|| self.limits.container_slot(&self.registry, user))
@@ -264,8 +265,14 @@ impl Broker {
             "shared_in": shared_in,
         });
         self.audit.record("session_create", created);
-        if let Some(p) = pooled {
+        if let Some(removals) = removals {
+            session.hold_until_exec_ends(removals);
+        }
+        if let Some(mut p) = pooled {
             self.take_pooled(&p);
+            if let Some(refill) = p.exec_ended.take() {
+                session.hold_until_exec_ends(refill);
+            }
             session.set_sandbox(Some(p.sandbox));
         }
         Ok(session)

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::DropGuard;
 
 /// Who a session belongs to, persisted as `session.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -61,6 +62,11 @@ pub struct Session {
     /// Execs run since the broker loaded the session: a session used once is likely
     /// never used again, and its container goes sooner (see `evict`).
     execs: AtomicU64,
+    /// Background work held back while this session's exec runs, so that it does not take
+    /// CPU from it: the removal of containers evicted to make room for it
+    /// (`Broker::make_room`) and the pool's refill after it took a pooled sandbox
+    /// (`Pool::take`). Dropping a guard lets its work go; each also has its own deadline.
+    after_exec: Mutex<Vec<DropGuard>>,
 }
 
 impl Session {
@@ -82,6 +88,7 @@ impl Session {
             last_used_ms: AtomicU64::new(last_used),
             uses: AtomicU64::new(0),
             execs: AtomicU64::new(0),
+            after_exec: Mutex::new(Vec::new()),
         }
     }
 
@@ -161,6 +168,18 @@ impl Session {
         self.touch();
     }
 
+    /// Holds back background work (see `after_exec`) until the exec that holds an
+    /// [`Session::exec_running`] ends.
+    pub(crate) fn hold_until_exec_ends(&self, work: DropGuard) {
+        lock(&self.after_exec).push(work);
+    }
+
+    /// For an exec, however it ends: dropped, lets the work held back for this session go,
+    /// that held back during the exec included.
+    pub(crate) fn exec_running(&self) -> ExecRunning<'_> {
+        ExecRunning(self)
+    }
+
     /// Execs run since the session was loaded.
     pub(crate) fn exec_count(&self) -> u64 {
         self.execs.load(Ordering::Relaxed)
@@ -190,6 +209,16 @@ impl Session {
         }
         let turn = self.try_acquire()?;
         (self.uses() == uses).then_some(turn)
+    }
+}
+
+/// Held by an exec: lets the work held back for its session go when the exec ends.
+pub(crate) struct ExecRunning<'a>(&'a Session);
+
+impl Drop for ExecRunning<'_> {
+    fn drop(&mut self) {
+        let held = std::mem::take(&mut *lock(&self.0.after_exec));
+        drop(held);
     }
 }
 
