@@ -418,8 +418,11 @@ impl StateConfig {
 /// The pool of started containers kept ready for new sessions.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PoolConfig {
-    /// Started containers kept ready for new sessions (0 turns the pool off).
-    #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 2)]
+    /// Started containers kept ready for new sessions (0 turns the pool off). Three: a
+    /// pooled container is preloaded about 1.3 s after the take that asked for it, so at a
+    /// chat's pace (two new sessions a second) the third new session after a quiet spell
+    /// would otherwise find its container still importing.
+    #[arg(long, env = "CODEBROKER_POOL_SIZE", default_value_t = 3)]
     pub pool_size: usize,
 
     /// Started containers kept ready at most: after a burst of new sessions the pool grows

@@ -37,7 +37,8 @@ fn default_pool(config: &mut Config) {
 
 /// `n` new sessions, one every [`PACE`], each running [`PANDAS_PLOT`] as its first exec.
 async fn pandas_plot(bench: &Bench, n: usize) -> Vec<Duration> {
-    bench.wait_pool(2).await;
+    let shipped = Config::parse_from(["codebroker"]).pool.pool_size;
+    bench.wait_pool(shipped as u64).await;
     // Give the pool's kernels the time a pool has between chat turns.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let mut samples = Vec::new();
