@@ -202,6 +202,13 @@ async fn timed<F: std::future::Future>(f: F) -> (Duration, F::Output) {
 
 #[tokio::main]
 async fn main() {
+    // BENCH_LOG=<filter>: the broker's log on stderr, to see where a slow sample went.
+    if let Ok(filter) = std::env::var("BENCH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let scale = Scale {
         quick: std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0"),
         n: std::env::var("BENCH_N")
