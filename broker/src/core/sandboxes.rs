@@ -79,7 +79,7 @@ impl Broker {
         if !self.backend.hands_over_pooled() {
             return None;
         }
-        let mut pooled = self.pool.take()?;
+        let pooled = self.pool.take()?;
         let ours = session.workspace.clone();
         let theirs = pooled.workspace.clone();
         let backend = self.backend.clone();
@@ -111,9 +111,6 @@ impl Broker {
             }),
         );
         self.take_pooled(&pooled);
-        if let Some(refill) = pooled.exec_ended.take() {
-            session.hold_until_exec_ends(refill);
-        }
         session.set_sandbox(Some(pooled.sandbox.clone()));
         Some(pooled.sandbox)
     }

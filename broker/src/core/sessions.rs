@@ -268,11 +268,8 @@ impl Broker {
         if let Some(removals) = removals {
             session.hold_until_exec_ends(removals);
         }
-        if let Some(mut p) = pooled {
+        if let Some(p) = pooled {
             self.take_pooled(&p);
-            if let Some(refill) = p.exec_ended.take() {
-                session.hold_until_exec_ends(refill);
-            }
             session.set_sandbox(Some(p.sandbox));
         }
         Ok(session)

@@ -64,8 +64,8 @@ pub struct Session {
     execs: AtomicU64,
     /// Background work held back while this session's exec runs, so that it does not take
     /// CPU from it: the removal of containers evicted to make room for it
-    /// (`Broker::make_room`) and the pool's refill after it took a pooled sandbox
-    /// (`Pool::take`). Dropping a guard lets its work go; each also has its own deadline.
+    /// (`Broker::make_room`). Dropping a guard lets its work go; each also has its own
+    /// deadline.
     after_exec: Mutex<Vec<DropGuard>>,
 }
 

@@ -20,12 +20,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, DropGuard};
 
-/// How long after a take the refill waits before starting a container, unless the exec
-/// that took the sandbox ends sooner: starting one costs the engine and the new kernel
-/// over a second of CPU, which on a small host would slow the very exec the taken sandbox
-/// was handed out for.
+/// How long after a take the refill waits before starting a container: starting one costs
+/// the engine and the new kernel over a second of CPU, which on a small host would slow
+/// the very exec the taken sandbox was handed out for.
 const REFILL_DELAY: Duration = Duration::from_millis(250);
 
 /// Takes this close together count as one burst the pool should have absorbed.
@@ -107,9 +105,6 @@ pub(crate) struct Pooled {
     /// Where its preload stands. Shared: the pool's watcher holds it while a session may
     /// take the sandbox.
     pub(crate) preload: Arc<PreloadState>,
-    /// Set when taken: dropped once the exec that took it has ended (the session holds
-    /// it), which lets the refill start before [`REFILL_DELAY`] has passed.
-    pub(crate) exec_ended: Option<DropGuard>,
 }
 
 /// Where the preload of one pooled sandbox stands. A pooled sandbox starts at the usual CPU
@@ -189,9 +184,8 @@ pub(crate) struct Pool {
     /// Pooled sandboxes found dead (their container exited) or handed back unused, for
     /// the refiller to remove with their workspace.
     discarded: Mutex<Vec<Pooled>>,
-    /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`], and the
-    /// token the exec that took it cancels when it ends, which cuts the wait short.
-    last_take: Mutex<Option<(Instant, CancellationToken)>>,
+    /// When a sandbox was last taken, so the refill waits out [`REFILL_DELAY`].
+    last_take: Mutex<Option<tokio::time::Instant>>,
     /// Set when draining: a creation that finishes later removes its sandbox instead of
     /// adding it, so nothing outlives the broker.
     closed: AtomicBool,
@@ -323,13 +317,7 @@ impl Pool {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .record(now);
-        // A miss starts a container for its request anyway: the refill waits the delay out.
-        let exec_ended = CancellationToken::new();
-        let taken = taken.map(|mut pooled| {
-            pooled.exec_ended = Some(exec_ended.clone().drop_guard());
-            pooled
-        });
-        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) = Some((now, exec_ended));
+        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
         self.wake.notify_one();
         taken
     }
@@ -353,14 +341,12 @@ impl Pool {
             );
         }
         loop {
-            let last_take = self
-                .last_take
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
-            tokio::select! {
-                _ = wait_after_take(last_take) => {}
-                _ = shutdown.cancelled() => break,
+            let last_take = *self.last_take.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(taken) = last_take {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
+                    _ = shutdown.cancelled() => break,
+                }
             }
             let dead =
                 std::mem::take(&mut *self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
@@ -554,17 +540,6 @@ impl Pool {
     }
 }
 
-/// Until the refill may start a container after the last take: [`REFILL_DELAY`] after it,
-/// or as soon as the exec that took the sandbox has ended.
-async fn wait_after_take(last_take: Option<(Instant, CancellationToken)>) {
-    if let Some((taken, exec_ended)) = last_take {
-        tokio::select! {
-            _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
-            _ = exec_ended.cancelled() => {}
-        }
-    }
-}
-
 /// A sandbox start outside the pool, counted while it lasts.
 pub(crate) struct ColdStart(Arc<AtomicUsize>);
 
@@ -596,7 +571,6 @@ async fn create_pooled(
             workspace,
             sandbox: Arc::new(sandbox),
             preload: Arc::new(PreloadState::new(preloads)),
-            exec_ended: None,
         }),
         Err(err) => {
             let _ = std::fs::remove_dir_all(workspace.root());
@@ -716,28 +690,6 @@ mod tests {
         );
         assert!(!state.moved(PreloadState::LOWERING, PreloadState::PRELOADING));
         assert_eq!(PreloadState::new(false).get(), PreloadState::DONE);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_refill_waits_for_the_exec_that_took_or_the_delay() {
-        let started = Instant::now();
-        wait_after_take(None).await;
-        assert_eq!(started.elapsed(), Duration::ZERO, "no take: no wait");
-
-        // The exec that took the sandbox runs on: the refill waits the delay out.
-        let running = CancellationToken::new();
-        wait_after_take(Some((Instant::now(), running.clone()))).await;
-        assert_eq!(started.elapsed(), REFILL_DELAY);
-
-        // It ends after 40 ms (its guard dropped): the refill starts then.
-        let guard = running.clone().drop_guard();
-        let taken = Instant::now();
-        let exec = async {
-            tokio::time::sleep(Duration::from_millis(40)).await;
-            drop(guard);
-        };
-        tokio::join!(exec, wait_after_take(Some((taken, running))));
-        assert_eq!(taken.elapsed(), Duration::from_millis(40));
     }
 
     #[test]
