@@ -979,10 +979,12 @@ def make_tool_function(func_name, tool, socket_path):
 # The cyclic garbage collector is paused while the preload imports: importing the data stack
 # allocates some 100,000 objects that live as long as the process, and the collections they
 # trigger cost about a tenth of the preload's CPU (45 of 460 ms), which every pool refill
-# pays. A preload that completes then freezes what it loaded (`gc.freeze()`), so the
-# session's collections do not walk the modules' objects again either (its first plot is
-# 4 ms faster). The pause ends, under the import lock, before any cell can run: the thread
-# resumes collection when it ends, and so does a request's wait for the import under way.
+# pays. The pause ends by freezing what was loaded (`gc.freeze()`), so the session's
+# collections do not walk the modules' objects either (its first plot is 4 ms faster, and
+# the first cell after a stopped preload does not pay for a collection of everything the
+# paused imports allocated). The pause ends, under the import lock, before any cell can run:
+# the thread resumes collection when it ends, and so does a request's wait for the import
+# under way.
 
 PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
 FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
@@ -1027,9 +1029,13 @@ class Preload:
             self.gc_paused = True
 
     def resume_gc(self):
-        """Turns the collector back on if this preload turned it off. Under the lock."""
+        """Turns the collector back on if this preload turned it off, after freezing what
+        was imported meanwhile: collected now, the objects of the paused imports would all
+        be walked at the session's first allocation (tens of milliseconds in the first cell
+        after a preload that was stopped). Under the lock."""
         if self.gc_paused:
             self.gc_paused = False
+            gc.freeze()
             gc.enable()
 
     def wait_for_import_under_way(self):
@@ -1087,9 +1093,6 @@ class Preload:
             self.import_all()
         finally:
             with self.importing:
-                if self.gc_paused and not self.stopped:
-                    # All of it loaded: out of the session's collections from now on.
-                    gc.freeze()
                 self.resume_gc()
             # The runner's `hello` answers say `preloading` until this arrives; the broker
             # then gives the pooled container its CPU weight back.
