@@ -1316,7 +1316,11 @@ def test_a_cell_waits_for_the_import_under_way_so_no_module_is_half_initialized(
             while not os.path.exists(mark) and time.monotonic() < deadline:
                 time.sleep(0.005)
             assert os.path.exists(mark), "the preload never started pair_a"
-            assert_ok(k.run("import pair_b\nprint(pair_b.value())"), "b!\n")
+            # The preload paused the collector inside pair_a; stopped, it froze what it
+            # had imported, so this cell runs with the collector on and pays no collection
+            # of everything the paused import allocated.
+            assert_ok(k.run("import gc, pair_b\nprint(pair_b.value())\n"
+                            "print(gc.isenabled(), gc.get_freeze_count() > 0)"), "b!\nTrue True\n")
             assert _wait_for_preload(k) is True
     finally:
         shutil.rmtree(lib, ignore_errors=True)

@@ -266,7 +266,7 @@ impl Broker {
         hooks: ExecHooks,
     ) -> Result<ExecOutput> {
         let _turn = session.acquire().await;
-        // Work held back for this exec (removals, the pool's refill) goes once it has ended.
+        // Containers evicted to make room for this exec are removed once it has ended.
         let _running = session.exec_running();
         // Used from now on: the idle reaper leaves the sandbox of a starting exec alone.
         session.touch();
