@@ -238,8 +238,9 @@ impl Broker {
         self.live_sessions().0.len()
     }
 
-    /// Before one more session sandbox starts for `user`: takes the sandbox away from the least recently used idle sessions over the caps (and any
-    /// past a TTL), so the caps hold at once. Their state saves and container removals run
+    /// Before one more session sandbox starts for `user`: takes the sandbox away from the
+    /// least recently used idle sessions over the caps (and any past a TTL), so the caps
+    /// hold at once. Their state saves and container removals run
     /// in the background once the exec that needed the room has ended (at most
     /// [`REMOVAL_WAITS_FOR_EXEC`] later): on a small host they would otherwise take CPU
     /// from that exec, which is a session's first and which a user waits for. The
