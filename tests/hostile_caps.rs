@@ -256,6 +256,7 @@ async fn the_shipped_caps_are_on_and_derived_from_the_hosts_memory() {
     assert_eq!(broker.limits.max_containers(), cap);
     assert_eq!(
         broker.limits.max_sessions_per_user(),
-        8.min(cap.div_ceil(2))
+        8.min((cap / 4).max(1)),
+        "a quarter of the cap by default"
     );
 }

@@ -581,13 +581,21 @@ pub struct Caps {
     pub rate_burst: u32,
 
     /// Sessions with a running sandbox one user may have at once (0: no limit); never
-    /// more than half of CODEBROKER_MAX_CONTAINERS, so one user leaves room for others.
-    /// At the cap a new one takes the place of the user's least recently used idle one
+    /// more than CODEBROKER_USER_SHARE_PERCENT of CODEBROKER_MAX_CONTAINERS, so one user
+    /// leaves room for others. A user is counted in their tenant; the callers of a tenant
+    /// that name no user count as one. At the cap a new one takes the place of the user's least recently used idle one
     /// (its files stay); only when all of them are running code: 429 with
     /// `retry_after_seconds`. 8: more chats than one person keeps going, each keeping its
     /// Python state.
     #[arg(long, env = "CODEBROKER_MAX_SESSIONS_PER_USER", default_value_t = 8)]
     pub max_sessions_per_user: usize,
+
+    /// The most of CODEBROKER_MAX_CONTAINERS one user may hold, in percent (at least one
+    /// container). 25: it takes four users at their cap to fill the host, so two or three
+    /// busy users leave room for everyone else, while on a host of eight sandboxes a user
+    /// still keeps two chats with their Python state.
+    #[arg(long, env = "CODEBROKER_USER_SHARE_PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub user_share_percent: u8,
 
     /// Session sandboxes this broker runs at once, all users together: a number (0: no
     /// cap), or `auto`: three quarters of the Docker host's memory divided by
@@ -614,6 +622,19 @@ pub struct AuthConfig {
     )]
     pub api_key: Vec<String>,
 
+    /// API keys grouped into named tenants, comma-separated `tenant:key` (the tenant up to
+    /// 64 letters, digits, `.`, `_` or `-`; the key everything after the first `:`). The
+    /// callers of all keys of one tenant find one another's sessions and shared files, as
+    /// callers of one key do; a key of CODEBROKER_API_KEY is a tenant of its own, and no
+    /// tenant ever finds another's sessions.
+    #[arg(
+        long,
+        env = "CODEBROKER_TENANT_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub tenant_api_keys: Vec<String>,
+
     /// Authentication mode: `key` (the default; refuses to start without a key) or `none`
     /// (anyone who can reach the port may run code).
     #[arg(long, env = "CODEBROKER_AUTH", default_value = "key")]
@@ -625,6 +646,13 @@ pub struct AuthConfig {
     /// EdDSA tokens, RSA keys RS256. Empty: JWTs are not accepted.
     #[arg(long, env = "CODEBROKER_JWT_PUBLIC_KEYS", value_delimiter = ',')]
     pub jwt_public_keys: Vec<String>,
+
+    /// The tenants a JWT key may sign for, comma-separated `kid=tenant|tenant`, naming keys
+    /// of CODEBROKER_JWT_PUBLIC_KEYS by their `kid`. A token that key signed for another
+    /// `tenant_id` (`legacy` when it has none) gets 403. A key not named here may sign for
+    /// any tenant.
+    #[arg(long, env = "CODEBROKER_JWT_KEY_TENANTS", value_delimiter = ',')]
+    pub jwt_key_tenants: Vec<String>,
 
     /// The `iss` claim a JWT must carry (LibreChat's default).
     #[arg(long, env = "CODEBROKER_JWT_ISSUER", default_value = "librechat")]
@@ -647,6 +675,73 @@ impl AuthConfig {
             .iter()
             .map(|k| k.trim())
             .filter(|k| !k.is_empty())
+    }
+
+    /// The `tenant:key` entries of CODEBROKER_TENANT_API_KEYS as (tenant, key), blanks
+    /// dropped; an entry without a `:` has an empty tenant (refused by `validate`).
+    pub(crate) fn tenant_keys(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.tenant_api_keys
+            .iter()
+            .map(|k| k.trim())
+            .filter(|k| !k.is_empty())
+            .map(|k| {
+                let (tenant, key) = k.split_once(':').unwrap_or(("", k));
+                (tenant.trim(), key.trim())
+            })
+    }
+
+    /// The `kid=tenant|tenant` entries of CODEBROKER_JWT_KEY_TENANTS, blanks dropped.
+    pub(crate) fn jwt_tenant_entries(&self) -> impl Iterator<Item = (&str, Vec<&str>)> {
+        self.jwt_key_tenants
+            .iter()
+            .map(|e| e.trim())
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (kid, tenants) = e.split_once('=').unwrap_or((e, ""));
+                let tenants = tenants
+                    .split('|')
+                    .map(str::trim)
+                    .filter(|t| !t.is_empty())
+                    .collect();
+                (kid.trim(), tenants)
+            })
+    }
+
+    /// Checks the tenant settings: names of tenants well formed, every key configured once.
+    fn validate_tenants(&self) -> Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for key in self.api_keys() {
+            if !seen.insert(key) {
+                return Err("an API key is configured twice".into());
+            }
+        }
+        for (tenant, key) in self.tenant_keys() {
+            if !is_tenant_name(tenant) {
+                return Err(
+                    "CODEBROKER_TENANT_API_KEYS: each entry is `tenant:key`, the tenant up to \
+                     64 letters, digits, `.`, `_` or `-`"
+                        .into(),
+                );
+            }
+            if key.is_empty() {
+                return Err(format!(
+                    "CODEBROKER_TENANT_API_KEYS: tenant {tenant} has an empty key"
+                ));
+            }
+            if !seen.insert(key) {
+                return Err("an API key is configured twice (in CODEBROKER_API_KEY or \
+                            CODEBROKER_TENANT_API_KEYS)"
+                    .into());
+            }
+        }
+        for (kid, tenants) in self.jwt_tenant_entries() {
+            if kid.is_empty() || tenants.is_empty() {
+                return Err(format!(
+                    "CODEBROKER_JWT_KEY_TENANTS: each entry is `kid=tenant|tenant`, not {kid:?}"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The configured JWT public key entries, blanks dropped.
@@ -717,6 +812,14 @@ pub struct CodeModeConfig {
     /// Code mode: wall-time limit of one `execute`, calls included, in milliseconds.
     #[arg(long, env = "CODEBROKER_CODEMODE_TIMEOUT_MS", default_value_t = 60_000, value_parser = millis())]
     pub codemode_timeout_ms: u64,
+}
+
+/// Whether `text` may name a tenant of keys: 1 to 64 letters, digits, `.`, `_` or `-`.
+pub(crate) fn is_tenant_name(text: &str) -> bool {
+    (1..=64).contains(&text.len())
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// Whether `text` may be a Kubernetes label value (empty aside): at most 63 characters of
@@ -907,10 +1010,22 @@ impl Config {
         }
     }
 
+    /// The longest an exec may hold its session's turn, in ms: a plain exec's longest
+    /// timeout, or code mode's when it is on and longer.
+    pub(crate) fn longest_exec_ms(&self) -> u64 {
+        let mut longest = self.max_exec_timeout_ms;
+        if self.code_mode.codemode {
+            longest = longest.max(self.code_mode.codemode_timeout_ms);
+        }
+        longest
+    }
+
     /// Checks settings that clap cannot check on its own.
     pub(crate) fn validate(&self) -> Result<(), String> {
+        self.access.validate_tenants()?;
         if self.access.auth == AuthMode::Key
             && self.access.api_keys().next().is_none()
+            && self.access.tenant_keys().next().is_none()
             && self.access.jwt_key_entries().next().is_none()
         {
             return Err(

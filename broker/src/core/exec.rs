@@ -234,7 +234,8 @@ impl Broker {
         choice: &SessionChoice,
         files: &[InputFile],
     ) -> Result<Arc<Session>> {
-        self.limits.check_exec(choice.user.as_deref())?;
+        self.limits
+            .check_exec(&(choice.tenant.clone(), choice.user.clone()))?;
         self.choose_session(choice, files).await
     }
 

@@ -78,14 +78,16 @@ impl Broker {
                 per_user: false,
             };
         }
-        if let (Some(user), limit @ 1..) =
+        if let (Some(_), limit @ 1..) =
             (session.meta.user.as_deref(), self.config.caps.user_storage)
         {
+            // A user is a user of one tenant: the same name in another is someone else.
+            let owner = session.owner_key();
             let others: u64 = self
                 .registry
                 .all()
                 .iter()
-                .filter(|s| s.id() != session.id() && s.meta.user.as_deref() == Some(user))
+                .filter(|s| s.id() != session.id() && s.owner_key() == owner)
                 .map(|s| s.index().stored_bytes() + s.workspace.saved_state_bytes())
                 .sum();
             let room = limit.saturating_sub(others);
@@ -234,7 +236,24 @@ impl Broker {
                         }
                         s
                     }
-                    Some(s) if s.visible_to(session.meta.user.as_deref()) => s,
+                    Some(s)
+                        if s.visible_to(
+                            session.meta.tenant.as_deref(),
+                            session.meta.user.as_deref(),
+                        ) =>
+                    {
+                        s
+                    }
+                    // Another tenant's: as unknown, so its ids cannot be probed.
+                    Some(s)
+                        if !crate::session::same_tenant(
+                            session.meta.tenant.as_deref(),
+                            s.meta.tenant.as_deref(),
+                        ) =>
+                    {
+                        notes.push(missing());
+                        continue;
+                    }
                     Some(_) => {
                         return Err(Error::Forbidden(
                             "an input file belongs to another user".into(),

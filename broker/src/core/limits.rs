@@ -6,33 +6,69 @@
 //! recently used idle container in the way (`session::evict`), so only running code
 //! holds a place.
 //!
-//! Callers that name no user (an API key alone, or auth off) share one budget: such a
-//! caller is one front end acting for everyone behind it (LobeChat, an MCP client, the
-//! playground), and nothing in its requests tells its users apart. Per-key budgets would
-//! not either, as all those users share the key; a front end that names its users
-//! (`User-Id`, a JWT) gets a budget per user.
+//! A user is counted in their tenant: `alice` of one key (or JWT tenant) and `alice` of
+//! another have budgets of their own. Callers of one tenant that name no user (an API key
+//! alone, or auth off) share one budget: such a caller is one front end acting for
+//! everyone behind it (LobeChat, an MCP client, the playground), and nothing in its
+//! requests tells its users apart; a front end that names its users (`User-Id`, a JWT)
+//! gets a budget per user.
 
 use crate::clock::now_ms;
 use crate::config::Caps;
 use crate::core::error::{Error, Result};
-use crate::session::Registry;
+use crate::session::{OwnerKey, Registry};
+use sha2::Digest as _;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::time::Instant;
 
 /// Above this many users' buckets, the full ones (users idle long enough to have their
 /// whole budget back) are forgotten, so the map does not grow with every user ever seen.
 const PRUNE_ABOVE: usize = 4096;
 
-/// Who a budget or a cap is for: the user, or `None` for callers that name none.
-type UserKey = Option<String>;
+/// Most users' buckets kept at once. Past it (after pruning), a user not yet in the map
+/// gets a 503 until buckets fill up again: the map stays within a few MiB (keys are
+/// digests) however many user names a caller makes up, and known users keep their
+/// budgets.
+pub(crate) const MAX_BUCKETS: usize = 65_536;
+
+/// Least time between two prunes of the bucket map while it is over [`PRUNE_ABOVE`], so a
+/// flood of new names does not rescan it on every exec.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
+
+/// Who a budget or a cap is for: the tenant, and the user in it or `None` for the
+/// tenant's callers that name none.
+type UserKey = OwnerKey;
+
+/// A rate bucket's key: a digest of the [`UserKey`], so that a bucket costs the same
+/// whatever the length of the name it is for.
+type BucketKey = [u8; 16];
+
+fn bucket_key(owner: &UserKey) -> BucketKey {
+    let mut digest = sha2::Sha256::new();
+    for part in [&owner.0, &owner.1] {
+        match part {
+            // Length-prefixed, so that no two keys run together into one.
+            Some(text) => {
+                digest.update([1]);
+                digest.update((text.len() as u64).to_le_bytes());
+                digest.update(text.as_bytes());
+            }
+            None => digest.update([0]),
+        }
+    }
+    let mut key = [0; 16];
+    key.copy_from_slice(&digest.finalize()[..16]);
+    key
+}
 
 /// Every limit of the broker.
 pub struct Limits {
     /// The per-user exec rate; `None` when `CODEBROKER_RATE_EXECS_PER_MINUTE` is 0.
     exec_rate: Option<TokenBuckets>,
     /// Most live sessions one user may have (0: no cap): the setting, and never more
-    /// than half of `max_total`.
+    /// than CODEBROKER_USER_SHARE_PERCENT of `max_total` (at least 1).
     max_per_user: usize,
     /// Most session containers in all (0: no cap), CODEBROKER_MAX_CONTAINERS resolved.
     max_total: usize,
@@ -113,7 +149,7 @@ impl Limits {
         let max_per_user = match (caps.max_sessions_per_user, max_total) {
             (0, _) => 0,
             (n, 0) => n,
-            (n, total) => n.min(total.div_ceil(2)),
+            (n, total) => n.min(user_share(total, caps.user_share_percent)),
         };
         Limits {
             exec_rate,
@@ -134,27 +170,91 @@ impl Limits {
         self.max_per_user
     }
 
-    /// Takes one exec from `user`'s budget, or says when the next one is allowed.
-    pub(crate) fn check_exec(&self, user: Option<&str>) -> Result<()> {
+    /// Takes one exec from `owner`'s budget, or says when the next one is allowed.
+    pub(crate) fn check_exec(&self, owner: &UserKey) -> Result<()> {
         let Some(rate) = &self.exec_rate else {
             return Ok(());
         };
-        rate.take(user, Instant::now())
-            .map_err(|retry_after_seconds| Error::RateLimited {
+        rate.take(owner, Instant::now()).map_err(|refused| match refused {
+            Refused::Wait(retry_after_seconds) => Error::RateLimited {
                 message: format!(
                     "too many executions: at most {} per minute{}; retry in {retry_after_seconds} s",
                     rate.per_minute,
-                    if user.is_some() { " per user" } else { "" },
+                    if owner.1.is_some() { " per user" } else { "" },
                 ),
                 retry_after_seconds,
-            })
+            },
+            Refused::Full => Error::Unavailable(format!(
+                "too many users are being rate limited at once ({MAX_BUCKETS}); retry shortly"
+            )),
+        })
     }
 
-    /// Reserves a place for one more container of `user`'s, when the caps allow it.
+    /// The sessions holding a running container, as the caps see them.
+    fn live(registry: &Registry) -> Vec<LiveSession> {
+        registry
+            .all()
+            .iter()
+            .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
+            .map(|s| LiveSession {
+                user: s.owner_key(),
+                last_used_ms: s.last_used_ms(),
+                busy: s.is_busy(),
+            })
+            .collect()
+    }
+
+    /// The 429 [`Limits::container_slot`] would answer `owner` however many idle
+    /// containers were removed first: when their sessions running code (and their starts
+    /// under way) already fill the per-user cap. Checked before any removal, so that a
+    /// request refused anyway takes no other user's idle container.
+    pub(crate) fn check_user_room(&self, registry: &Registry, owner: &UserKey) -> Result<()> {
+        if self.max_per_user == 0 {
+            return Ok(());
+        }
+        let live = Self::live(registry);
+        let starting = self.lock();
+        self.user_room(&starting, &live, owner, now_ms())
+    }
+
+    /// See [`Limits::check_user_room`].
+    fn user_room(
+        &self,
+        starting: &Starting,
+        live: &[LiveSession],
+        owner: &UserKey,
+        now_ms: u64,
+    ) -> Result<()> {
+        let busy = live.iter().filter(|s| s.busy && &s.user == owner);
+        let starting_mine = starting.per_user.get(owner).copied().unwrap_or(0);
+        if busy.clone().count() + starting_mine >= self.max_per_user {
+            return Err(self.user_cap_error(owner, busy, now_ms));
+        }
+        Ok(())
+    }
+
+    fn user_cap_error<'a>(
+        &self,
+        owner: &UserKey,
+        mine: impl Iterator<Item = &'a LiveSession>,
+        now_ms: u64,
+    ) -> Error {
+        Error::RateLimited {
+            message: format!(
+                "too many live sessions: at most {} with a running sandbox{}; reuse a \
+                 session_id or retry later",
+                self.max_per_user,
+                if owner.1.is_some() { " per user" } else { "" },
+            ),
+            retry_after_seconds: self.retry_after(mine, now_ms),
+        }
+    }
+
+    /// Reserves a place for one more container of `owner`'s, when the caps allow it.
     pub(crate) fn container_slot(
         &self,
         registry: &Registry,
-        user: Option<&str>,
+        owner: &UserKey,
     ) -> Result<ContainerSlot<'_>> {
         if self.max_per_user == 0 && self.max_total == 0 {
             return Ok(ContainerSlot {
@@ -162,22 +262,13 @@ impl Limits {
                 user: None,
             });
         }
+        let live = Self::live(registry);
         // Counted under the lock, so that two starts cannot both take the last place.
         let mut starting = self.lock();
-        let live: Vec<LiveSession> = registry
-            .all()
-            .iter()
-            .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
-            .map(|s| LiveSession {
-                user: s.meta.user.clone(),
-                last_used_ms: s.last_used_ms(),
-                busy: s.is_busy(),
-            })
-            .collect();
-        self.admit(&mut starting, &live, user, now_ms())?;
+        self.admit(&mut starting, &live, owner, now_ms())?;
         Ok(ContainerSlot {
             limits: self,
-            user: Some(user.map(str::to_string)),
+            user: Some(owner.clone()),
         })
     }
 
@@ -187,10 +278,10 @@ impl Limits {
         &self,
         starting: &mut Starting,
         live: &[LiveSession],
-        user: Option<&str>,
+        owner: &UserKey,
         now_ms: u64,
     ) -> Result<()> {
-        let key: UserKey = user.map(str::to_string);
+        let key: UserKey = owner.clone();
         if self.max_total > 0 && live.len() + starting.total >= self.max_total {
             return Err(Error::RateLimited {
                 message: format!(
@@ -203,15 +294,7 @@ impl Limits {
         let starting_mine = starting.per_user.get(&key).copied().unwrap_or(0);
         let mine = live.iter().filter(|s| s.user == key);
         if self.max_per_user > 0 && mine.clone().count() + starting_mine >= self.max_per_user {
-            return Err(Error::RateLimited {
-                message: format!(
-                    "too many live sessions: at most {} with a running sandbox{}; reuse a \
-                     session_id or retry later",
-                    self.max_per_user,
-                    if user.is_some() { " per user" } else { "" },
-                ),
-                retry_after_seconds: self.retry_after(mine, now_ms),
-            });
+            return Err(self.user_cap_error(owner, mine, now_ms));
         }
         starting.total += 1;
         *starting.per_user.entry(key).or_insert(0) += 1;
@@ -241,6 +324,22 @@ impl Limits {
     }
 }
 
+/// Most live sessions one user may have under a cap of `total` containers:
+/// `percent` of it, at least one.
+fn user_share(total: usize, percent: u8) -> usize {
+    (total.saturating_mul(usize::from(percent)) / 100).max(1)
+}
+
+/// Why the rate buckets refused an exec.
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// The user's budget is spent: seconds until the next token.
+    Wait(u64),
+    /// The map holds [`MAX_BUCKETS`] users' buckets, none of them full, and this user has
+    /// none yet.
+    Full,
+}
+
 /// One token bucket per user: `burst` tokens at most, refilled at `per_minute` a minute.
 struct TokenBuckets {
     /// Refill rate, for messages.
@@ -250,7 +349,15 @@ struct TokenBuckets {
     /// Bucket size: how many execs may come at once after a pause.
     burst: f64,
     /// The buckets, by user.
-    buckets: Mutex<HashMap<UserKey, Bucket>>,
+    buckets: Mutex<Buckets>,
+}
+
+/// The buckets, and when they were last pruned.
+struct Buckets {
+    /// By the digest of the user's key.
+    by_user: HashMap<BucketKey, Bucket>,
+    /// When full buckets were last dropped (see [`PRUNE_EVERY`]).
+    pruned_at: Option<Instant>,
 }
 
 /// One user's budget.
@@ -275,19 +382,35 @@ impl TokenBuckets {
             per_minute,
             per_second: f64::from(per_minute) / 60.0,
             burst: f64::from(burst.max(1)),
-            buckets: Mutex::new(HashMap::new()),
+            buckets: Mutex::new(Buckets {
+                by_user: HashMap::new(),
+                pruned_at: None,
+            }),
         }
     }
 
-    /// Takes a token of `user`'s at `now`, or returns the seconds until one is there.
-    fn take(&self, user: Option<&str>, now: Instant) -> Result<(), u64> {
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        let key: UserKey = user.map(str::to_string);
-        if buckets.len() > PRUNE_ABOVE && !buckets.contains_key(&key) {
-            let (rate, burst) = (self.per_second, self.burst);
-            buckets.retain(|_, b| b.tokens_at(now, rate, burst) < burst);
+    /// Takes a token of `owner`'s at `now`, or says why not.
+    fn take(&self, owner: &UserKey, now: Instant) -> Result<(), Refused> {
+        let mut guard = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let buckets = &mut *guard;
+        let key = bucket_key(owner);
+        if !buckets.by_user.contains_key(&key) && buckets.by_user.len() > PRUNE_ABOVE {
+            // A full bucket is what a user without one gets: forgetting it changes nothing.
+            let due = buckets
+                .pruned_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= PRUNE_EVERY);
+            if due {
+                let (rate, burst) = (self.per_second, self.burst);
+                buckets
+                    .by_user
+                    .retain(|_, b| b.tokens_at(now, rate, burst) < burst);
+                buckets.pruned_at = Some(now);
+            }
+            if buckets.by_user.len() >= MAX_BUCKETS {
+                return Err(Refused::Full);
+            }
         }
-        let bucket = buckets.entry(key).or_insert(Bucket {
+        let bucket = buckets.by_user.entry(key).or_insert(Bucket {
             tokens: self.burst,
             at: now,
         });
@@ -299,7 +422,7 @@ impl TokenBuckets {
             return Ok(());
         }
         let wait = (1.0 - bucket.tokens) / self.per_second;
-        Err((wait.ceil() as u64).max(1))
+        Err(Refused::Wait((wait.ceil() as u64).max(1)))
     }
 }
 
@@ -307,7 +430,16 @@ impl TokenBuckets {
 mod tests {
     use super::*;
     use crate::config::{Config, ContainerCap};
-    use std::time::Duration;
+
+    /// `name` in tenant `t`.
+    fn u(name: &str) -> UserKey {
+        (Some("t".into()), Some(name.into()))
+    }
+
+    /// Tenant `t`'s callers that name no user.
+    fn nobody() -> UserKey {
+        (Some("t".into()), None)
+    }
 
     fn limits(adjust: impl FnOnce(&mut Config)) -> Limits {
         let mut config = Config::for_tests("/tmp".into(), "limits-test");
@@ -334,27 +466,26 @@ mod tests {
     fn token_bucket_refills_at_the_rate() {
         let buckets = TokenBuckets::new(6, 2); // one token every 10 s, two at once
         let t0 = Instant::now();
-        assert!(buckets.take(Some("a"), t0).is_ok());
-        assert!(buckets.take(Some("a"), t0).is_ok());
-        assert_eq!(buckets.take(Some("a"), t0), Err(10));
+        assert!(buckets.take(&u("a"), t0).is_ok());
+        assert!(buckets.take(&u("a"), t0).is_ok());
+        assert_eq!(buckets.take(&u("a"), t0), Err(Refused::Wait(10)));
         // Another user has a budget of their own.
-        assert!(buckets.take(Some("b"), t0).is_ok());
-        assert_eq!(buckets.take(Some("a"), t0 + Duration::from_secs(4)), Err(6));
-        assert!(buckets
-            .take(Some("a"), t0 + Duration::from_secs(10))
-            .is_ok());
-        assert!(buckets
-            .take(Some("a"), t0 + Duration::from_secs(10))
-            .is_err());
+        assert!(buckets.take(&u("b"), t0).is_ok());
+        assert_eq!(
+            buckets.take(&u("a"), t0 + Duration::from_secs(4)),
+            Err(Refused::Wait(6))
+        );
+        assert!(buckets.take(&u("a"), t0 + Duration::from_secs(10)).is_ok());
+        assert!(buckets.take(&u("a"), t0 + Duration::from_secs(10)).is_err());
         // A long pause gives back the burst, not more.
         let later = t0 + Duration::from_secs(3600);
-        assert!(buckets.take(Some("a"), later).is_ok());
-        assert!(buckets.take(Some("a"), later).is_ok());
-        assert!(buckets.take(Some("a"), later).is_err());
+        assert!(buckets.take(&u("a"), later).is_ok());
+        assert!(buckets.take(&u("a"), later).is_ok());
+        assert!(buckets.take(&u("a"), later).is_err());
         // Callers naming no user share one bucket.
-        assert!(buckets.take(None, t0).is_ok());
-        assert!(buckets.take(None, t0).is_ok());
-        assert!(buckets.take(None, t0).is_err());
+        assert!(buckets.take(&nobody(), t0).is_ok());
+        assert!(buckets.take(&nobody(), t0).is_ok());
+        assert!(buckets.take(&nobody(), t0).is_err());
     }
 
     #[test]
@@ -362,9 +493,9 @@ mod tests {
         let buckets = TokenBuckets::new(7, 1);
         let mut now = Instant::now();
         for _ in 0..20 {
-            if let Err(wait) = buckets.take(Some("u"), now) {
+            if let Err(Refused::Wait(wait)) = buckets.take(&u("u"), now) {
                 now += Duration::from_secs(wait);
-                assert!(buckets.take(Some("u"), now).is_ok());
+                assert!(buckets.take(&u("u"), now).is_ok());
             }
         }
     }
@@ -374,42 +505,42 @@ mod tests {
         let buckets = TokenBuckets::new(60, 1);
         let t0 = Instant::now();
         for i in 0..=PRUNE_ABOVE {
-            assert!(buckets.take(Some(&i.to_string()), t0).is_ok());
+            assert!(buckets.take(&u(&i.to_string()), t0).is_ok());
         }
         assert!(buckets
-            .take(Some("late"), t0 + Duration::from_secs(5))
+            .take(&u("late"), t0 + Duration::from_secs(5))
             .is_ok());
-        assert!(buckets.buckets.lock().expect("lock").len() <= 2);
+        assert!(buckets.buckets.lock().expect("lock").by_user.len() <= 2);
     }
 
     #[test]
     fn exec_rate_from_settings() {
         let off = limits(|_| {});
         for _ in 0..100 {
-            assert!(off.check_exec(Some("u")).is_ok());
+            assert!(off.check_exec(&u("u")).is_ok());
         }
         let on = limits(|c| {
             c.caps.rate_execs_per_minute = 60;
             c.caps.rate_burst = 2;
         });
-        assert!(on.check_exec(Some("u")).is_ok());
-        assert!(on.check_exec(Some("u")).is_ok());
-        let err = on.check_exec(Some("u")).expect_err("third is over");
+        assert!(on.check_exec(&u("u")).is_ok());
+        assert!(on.check_exec(&u("u")).is_ok());
+        let err = on.check_exec(&u("u")).expect_err("third is over");
         assert_eq!(retry_after(err), 1);
         // The burst defaults to the per-minute rate.
         let default_burst = limits(|c| c.caps.rate_execs_per_minute = 3);
         for _ in 0..3 {
-            assert!(default_burst.check_exec(None).is_ok());
+            assert!(default_burst.check_exec(&nobody()).is_ok());
         }
         assert_eq!(
-            retry_after(default_burst.check_exec(None).expect_err("4th")),
+            retry_after(default_burst.check_exec(&nobody()).expect_err("4th")),
             20
         );
     }
 
     fn live(user: &str, last_used_ms: u64, busy: bool) -> LiveSession {
         LiveSession {
-            user: Some(user.into()),
+            user: u(user),
             last_used_ms,
             busy,
         }
@@ -425,22 +556,22 @@ mod tests {
         let mut starting = Starting::default();
         let running = [live("a", now - 20_000, true), live("b", now - 5_000, true)];
         let err = limits
-            .admit(&mut starting, &running, Some("c"), now)
+            .admit(&mut starting, &running, &u("c"), now)
             .expect_err("full");
         // a's exec started 20 s ago: it ends within the 30 s an exec may run.
         assert_eq!(retry_after(err), 10);
         assert!(limits
-            .admit(&mut starting, &running[..1], Some("c"), now)
+            .admit(&mut starting, &running[..1], &u("c"), now)
             .is_ok());
         // The start under way takes the last place.
         assert!(limits
-            .admit(&mut starting, &running[..1], Some("d"), now)
+            .admit(&mut starting, &running[..1], &u("d"), now)
             .is_err());
         // An idle one still counted (it was used again before it could be removed):
         // retry at once.
         let idle = [live("a", now - 20_000, true), live("b", now, false)];
         let err = limits
-            .admit(&mut Starting::default(), &idle, Some("c"), now)
+            .admit(&mut Starting::default(), &idle, &u("c"), now)
             .expect_err("full");
         assert_eq!(retry_after(err), 1);
     }
@@ -455,38 +586,43 @@ mod tests {
         let mut starting = Starting::default();
         let running = [live("a", now, true)];
         let err = limits
-            .admit(&mut starting, &running, Some("a"), now)
+            .admit(&mut starting, &running, &u("a"), now)
             .expect_err("a has one");
         assert_eq!(retry_after(err), 5);
-        assert!(limits
-            .admit(&mut starting, &running, Some("b"), now)
-            .is_ok());
-        assert!(limits
-            .admit(&mut starting, &running, Some("b"), now)
-            .is_err());
+        assert!(limits.admit(&mut starting, &running, &u("b"), now).is_ok());
+        assert!(limits.admit(&mut starting, &running, &u("b"), now).is_err());
         // Long past the longest exec (a client that hangs on): retry soon, not never.
         let stale = [live("a", 0, true)];
         let err = limits
-            .admit(&mut Starting::default(), &stale, Some("a"), now)
+            .admit(&mut Starting::default(), &stale, &u("a"), now)
             .expect_err("still counted");
         assert_eq!(retry_after(err), 1);
     }
 
     #[test]
-    fn one_user_gets_at_most_half_the_containers() {
-        let capped = |per_user, total| {
+    fn one_user_gets_at_most_a_quarter_of_the_containers() {
+        let capped = |per_user, total, percent| {
             limits(|c| {
                 c.caps.max_sessions_per_user = per_user;
                 c.caps.max_containers = ContainerCap::Count(total);
+                c.caps.user_share_percent = percent;
             })
             .max_sessions_per_user()
         };
-        assert_eq!(capped(8, 17), 8);
-        assert_eq!(capped(8, 6), 3);
-        assert_eq!(capped(8, 3), 2);
-        assert_eq!(capped(8, 1), 1);
-        assert_eq!(capped(8, 0), 8);
-        assert_eq!(capped(0, 6), 0);
+        assert_eq!(capped(8, 64, 25), 8);
+        assert_eq!(capped(8, 17, 25), 4);
+        assert_eq!(capped(8, 8, 25), 2);
+        assert_eq!(capped(8, 6, 25), 1);
+        assert_eq!(capped(8, 3, 25), 1, "at least one");
+        assert_eq!(capped(8, 1, 25), 1);
+        assert_eq!(capped(8, 0, 25), 8, "no total cap");
+        assert_eq!(capped(0, 6, 25), 0, "no per-user cap");
+        // The share is a setting: half, as before, or all of it.
+        assert_eq!(capped(8, 6, 50), 3);
+        assert_eq!(capped(8, 6, 100), 6);
+        // The default is a quarter.
+        let config = Config::for_tests("/tmp".into(), "limits-test");
+        assert_eq!(config.caps.user_share_percent, 25);
         // auto on an unknown host: its minimum of two, one each.
         let auto = limits(|c| {
             c.caps.max_sessions_per_user = 8;
@@ -496,19 +632,148 @@ mod tests {
         assert_eq!(auto.max_sessions_per_user(), 1);
     }
 
+    /// Four users at their share fill a cap of 16: no two or three of them can.
+    #[test]
+    fn three_users_do_not_fill_the_host() {
+        let limits = limits(|c| {
+            c.caps.max_sessions_per_user = 8;
+            c.caps.max_containers = ContainerCap::Count(16);
+        });
+        let now = 1_000_000;
+        let mut starting = Starting::default();
+        let mut live = Vec::new();
+        for user in ["a", "b", "c"] {
+            for _ in 0..4 {
+                live.push(live_of(user, now, true));
+            }
+            assert!(limits
+                .admit(&mut Starting::default(), &live, &u(user), now)
+                .is_err());
+        }
+        assert!(limits.admit(&mut starting, &live, &u("d"), now).is_ok());
+    }
+
+    fn live_of(user: &str, last_used_ms: u64, busy: bool) -> LiveSession {
+        live(user, last_used_ms, busy)
+    }
+
+    /// A capacity 429's `retry_after_seconds` is made from the longest exec the broker
+    /// runs: code mode's 60 s when it is on, not the 30 s of a plain exec.
+    #[test]
+    fn retry_after_matches_the_longest_exec() {
+        let mut config = Config::for_tests("/tmp".into(), "limits-test");
+        config.max_exec_timeout_ms = 30_000;
+        config.code_mode.codemode_timeout_ms = 60_000;
+        config.code_mode.codemode = false;
+        assert_eq!(config.longest_exec_ms(), 30_000);
+        config.code_mode.codemode = true;
+        assert_eq!(config.longest_exec_ms(), 60_000);
+        config.caps.max_containers = ContainerCap::Count(1);
+        let limits = Limits::new(
+            &config.caps,
+            config.sandbox.memory_mb,
+            config.longest_exec_ms(),
+            None,
+        );
+        let now = 1_000_000;
+        // A code-mode exec that started 40 s ago may run 20 s more.
+        let running = [live("a", now - 40_000, true)];
+        let err = limits
+            .admit(&mut Starting::default(), &running, &u("b"), now)
+            .expect_err("full");
+        assert_eq!(retry_after(err), 20);
+    }
+
+    /// A request the per-user cap refuses anyway is refused before anything is evicted:
+    /// only the user's busy sessions (and starts) count, since their idle ones would make
+    /// room.
+    #[test]
+    fn the_user_cap_is_checked_before_any_eviction() {
+        let limits = limits(|c| {
+            c.caps.max_sessions_per_user = 1;
+            c.caps.max_containers = ContainerCap::Count(2);
+            c.max_exec_timeout_ms = 10_000;
+        });
+        let now = 1_000_000;
+        let a_busy_b_idle = [live("a", now - 4_000, true), live("b", now, false)];
+        let err = limits
+            .user_room(&Starting::default(), &a_busy_b_idle, &u("a"), now)
+            .expect_err("a's one place runs code");
+        assert_eq!(retry_after(err), 6);
+        // b's idle one is not b's obstacle, nor a's idle one a's.
+        assert!(limits
+            .user_room(&Starting::default(), &a_busy_b_idle, &u("b"), now)
+            .is_ok());
+        let a_idle = [live("a", now, false)];
+        assert!(limits
+            .user_room(&Starting::default(), &a_idle, &u("a"), now)
+            .is_ok());
+        // A start under way counts.
+        let mut starting = Starting::default();
+        assert!(limits.admit(&mut starting, &[], &u("c"), now).is_ok());
+        assert!(limits.user_room(&starting, &[], &u("c"), now).is_err());
+        // The same name in another tenant is another user.
+        let other_tenant = (Some("t2".to_string()), Some("a".to_string()));
+        assert!(limits
+            .user_room(&Starting::default(), &a_busy_b_idle, &other_tenant, now)
+            .is_ok());
+    }
+
+    /// Made-up user names cannot grow the bucket map without bound: past
+    /// [`MAX_BUCKETS`] a new name gets a 503 while known users keep their budgets, and
+    /// once buckets have filled up again (by age) new names are served.
+    #[tokio::test(start_paused = true)]
+    async fn the_rate_map_is_bounded() {
+        let limits = limits(|c| {
+            c.caps.rate_execs_per_minute = 1;
+            c.caps.rate_burst = 1;
+        });
+        for i in 0..MAX_BUCKETS {
+            limits
+                .check_exec(&u(&format!("user-{i}")))
+                .expect("first exec");
+        }
+        let buckets = limits.exec_rate.as_ref().expect("rate on");
+        let size = || buckets.buckets.lock().expect("lock").by_user.len();
+        assert_eq!(size(), MAX_BUCKETS);
+        match limits.check_exec(&u("one-more")) {
+            Err(Error::Unavailable(message)) => {
+                assert!(message.contains("rate limited"), "{message}")
+            }
+            other => panic!("expected 503, got {other:?}"),
+        }
+        assert_eq!(size(), MAX_BUCKETS, "nothing added");
+        // A known user is still rated as before: spent, told when to retry.
+        assert_eq!(
+            retry_after(limits.check_exec(&u("user-7")).expect_err("spent")),
+            60
+        );
+        // A long name costs what a short one does.
+        let long = "x".repeat(100_000);
+        assert!(matches!(
+            limits.check_exec(&u(&long)),
+            Err(Error::Unavailable(_))
+        ));
+        // A minute on, every bucket is full again and is forgotten: new names are served.
+        tokio::time::advance(Duration::from_secs(61)).await;
+        limits.check_exec(&u("one-more")).expect("served");
+        assert!(size() <= 2, "{}", size());
+        limits.check_exec(&u(&long)).expect("served");
+    }
+
     #[test]
     fn slots_hold_a_place_until_dropped() {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let registry = Registry::new(tmp.path());
+        let registry = Registry::new(tmp.path(), None);
         let limits = limits(|c| c.caps.max_containers = ContainerCap::Count(1));
-        let slot = limits.container_slot(&registry, Some("a")).expect("free");
-        assert!(limits.container_slot(&registry, Some("b")).is_err());
+        let slot = limits.container_slot(&registry, &u("a")).expect("free");
+        assert!(limits.container_slot(&registry, &u("b")).is_err());
         drop(slot);
-        assert!(limits.container_slot(&registry, Some("b")).is_ok());
+        assert!(limits.container_slot(&registry, &u("b")).is_ok());
         // No cap: nothing is counted.
         let open = self::limits(|_| {});
         let slots: Vec<_> = (0..10)
-            .map(|_| open.container_slot(&registry, None).expect("open"))
+            .map(|_| open.container_slot(&registry, &nobody()).expect("open"))
             .collect();
         assert_eq!(slots.len(), 10);
         assert_eq!(open.lock().total, 0);

@@ -51,12 +51,15 @@ impl Broker {
         let metrics = Arc::new(crate::metrics::Metrics::new());
         backend.observe(metrics.clone());
         Broker {
-            registry: Registry::new(&config.data_dir),
+            registry: Registry::new(
+                &config.data_dir,
+                crate::http::auth::sole_tenant(&config).map(|t| t.0),
+            ),
             pool: Arc::new(Pool::new(&config.pool)),
             limits: Limits::new(
                 &config.caps,
                 config.sandbox.memory_mb,
-                config.max_exec_timeout_ms,
+                config.longest_exec_ms(),
                 backend.host_memory(),
             ),
             metrics,

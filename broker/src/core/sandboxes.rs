@@ -10,7 +10,7 @@ use crate::sandbox::{docker::short, CpuWeight, Sandbox, SandboxUnavailable, Warm
 use crate::session::evict::{self, Reason};
 use crate::session::pool::Pooled;
 use crate::session::registry::META_FILE;
-use crate::session::Session;
+use crate::session::{OwnerKey, Session};
 use crate::workspace::Workspace;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,12 +42,13 @@ impl Broker {
             }
             self.discard_sandbox(session, &sandbox).await;
         }
-        if let Some(removals) = self.make_room(session.meta.user.as_deref()) {
+        let owner = session.owner_key();
+        // Refused anyway: no other user's idle container is taken for it.
+        self.limits.check_user_room(&self.registry, &owner)?;
+        if let Some(removals) = self.make_room(&owner) {
             session.hold_until_exec_ends(removals);
         }
-        let _slot = self
-            .limits
-            .container_slot(&self.registry, session.meta.user.as_deref())?;
+        let _slot = self.limits.container_slot(&self.registry, &owner)?;
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
@@ -227,7 +228,7 @@ impl Broker {
                 execs: s.exec_count(),
                 busy: s.is_busy(),
                 uses: s.uses(),
-                user: s.meta.user.clone(),
+                user: s.owner_key(),
             })
             .collect();
         (sessions, live)
@@ -246,13 +247,13 @@ impl Broker {
     /// from that exec, which is a session's first and which a user waits for. The
     /// returned guard, dropped, lets them go; [`Session::hold_until_exec_ends`] keeps
     /// it for the exec under way.
-    pub(crate) fn make_room(&self, user: Option<&str>) -> Option<DropGuard> {
+    pub(crate) fn make_room(&self, owner: &OwnerKey) -> Option<DropGuard> {
         let (sessions, live) = self.live_sessions();
         // Containers still starting for other requests hold no session sandbox yet, but
         // will: counted, so concurrent starts do not overshoot the cap.
         let room = evict::Room {
             total: 1 + self.pool.cold_starts(),
-            user: Some(user),
+            user: Some(owner),
         };
         let victims = evict::victims(&self.evict_policy(), &live, now_ms(), room);
         if victims.is_empty() {

@@ -4,7 +4,7 @@ use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::{Broker, InputFile};
 use crate::ids::{is_valid_id, new_id};
-use crate::session::{Session, SessionMeta};
+use crate::session::{same_tenant, OwnerKey, Session, SessionMeta};
 use crate::workspace::{FileRecord, Workspace};
 use sha2::Digest as _;
 use std::sync::Arc;
@@ -34,15 +34,16 @@ impl Broker {
         files: &[InputFile],
     ) -> Result<Arc<Session>> {
         let user = choice.user.as_deref();
-        self.authorize_refs(user, files)?;
-        let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(user));
-        let shared = self.shared_refs_key(user, choice.tenant.as_deref(), files);
+        let tenant = choice.tenant.as_deref();
+        self.authorize_refs(tenant, user, files)?;
+        let visible = |id: &str| self.registry.get(id).filter(|s| s.visible_to(tenant, user));
+        let shared = self.shared_refs_key(user, tenant, files);
         if let Some(id) = choice.session_id.as_deref().filter(|s| !s.is_empty()) {
             if !is_valid_id(id) {
                 return Err(Error::BadRequest(format!("invalid session_id: {id:?}")));
             }
-            // An unknown (expired, or another user's) session id gets a new session;
-            // the response names it.
+            // An unknown (expired, or another user's or tenant's) session id gets a new
+            // session; the response names it.
             if let Some(s) = visible(id) {
                 return Ok(s);
             }
@@ -55,26 +56,26 @@ impl Broker {
                 // of our session ids.
                 visible(h).or_else(|| {
                     self.registry
-                        .by_hint(user, h)
-                        .filter(|s| s.visible_to(user))
+                        .by_hint(tenant, user, h)
+                        .filter(|s| s.visible_to(tenant, user))
                 })
             })
         {
             return Ok(s);
-        } else if let Some(s) = self.session_of_refs(user, files)? {
+        } else if let Some(s) = self.session_of_refs(tenant, user, files)? {
             return Ok(s);
         } else if let Some(s) = shared
             .as_deref()
-            .and_then(|key| self.registry.by_hint(user, key))
-            .filter(|s| s.visible_to(user))
+            .and_then(|key| self.registry.by_hint(tenant, user, key))
+            .filter(|s| s.visible_to(tenant, user))
         {
             return Ok(s);
         } else if let Some(s) = choice
             .entity_id
             .as_deref()
             .filter(|e| !e.is_empty())
-            .and_then(|e| self.registry.by_entity(user, e))
-            .filter(|s| s.visible_to(user))
+            .and_then(|e| self.registry.by_entity(tenant, user, e))
+            .filter(|s| s.visible_to(tenant, user))
         {
             return Ok(s);
         }
@@ -83,21 +84,28 @@ impl Broker {
             .as_deref()
             .filter(|h| !h.is_empty() && !is_valid_id(h))
             .or(shared.as_deref());
-        self.new_session_with(user, choice.entity_id.as_deref(), hint, true)
+        self.new_session_with(tenant, user, choice.entity_id.as_deref(), hint, true)
             .await
     }
 
-    /// Refuses refs to files of sessions `user` may not see. Unknown sessions pass: the
-    /// exec runs and names the missing input. So do sessions of shared files: those of the
-    /// caller's tenant are placed read-only, any other is named missing like an unknown
-    /// one, so another tenant's ids cannot be probed ([`Broker::place_inputs`]).
-    pub(crate) fn authorize_refs(&self, user: Option<&str>, files: &[InputFile]) -> Result<()> {
+    /// Refuses refs to files of sessions of the caller's tenant that `user` may not see.
+    /// Unknown sessions pass: the exec runs and names the missing input. So do sessions of
+    /// other tenants and of shared files: those shared in the caller's tenant are placed
+    /// read-only, any other is named missing like an unknown one, so another tenant's ids
+    /// cannot be probed ([`Broker::place_inputs`]).
+    pub(crate) fn authorize_refs(
+        &self,
+        tenant: Option<&str>,
+        user: Option<&str>,
+        files: &[InputFile],
+    ) -> Result<()> {
         let foreign = files.iter().any(|f| {
             !f.session_id.is_empty()
-                && self
-                    .registry
-                    .get(&f.session_id)
-                    .is_some_and(|s| !s.is_shared() && !s.visible_to(user))
+                && self.registry.get(&f.session_id).is_some_and(|s| {
+                    !s.is_shared()
+                        && same_tenant(tenant, s.meta.tenant.as_deref())
+                        && !s.visible_to(tenant, user)
+                })
         });
         if foreign {
             return Err(Error::Forbidden(
@@ -112,6 +120,7 @@ impl Broker {
     /// their session, and the conversation's own files still lead to its session.
     pub(crate) fn session_of_refs(
         &self,
+        tenant: Option<&str>,
         user: Option<&str>,
         files: &[InputFile],
     ) -> Result<Option<Arc<Session>>> {
@@ -130,7 +139,9 @@ impl Broker {
             return Ok(None);
         }
         match self.registry.get(&first.session_id) {
-            Some(s) if s.visible_to(user) => Ok(Some(s)),
+            Some(s) if s.visible_to(tenant, user) => Ok(Some(s)),
+            // Another tenant's: as unknown.
+            Some(s) if !same_tenant(tenant, s.meta.tenant.as_deref()) => Ok(None),
             Some(_) => Err(Error::Forbidden(
                 "an input file belongs to another user".into(),
             )),
@@ -172,22 +183,26 @@ impl Broker {
     /// session needs none), else an empty workspace whose sandbox starts at the first exec.
     pub(crate) async fn new_session(
         &self,
+        tenant: Option<&str>,
         user: Option<&str>,
         entity_id: Option<&str>,
         for_exec: bool,
     ) -> Result<Arc<Session>> {
-        self.new_session_with(user, entity_id, None, for_exec).await
+        self.new_session_with(tenant, user, entity_id, None, for_exec)
+            .await
     }
 
     /// [`Broker::new_session`], also remembering the client's `runtime_session_hint`.
     pub(crate) async fn new_session_with(
         &self,
+        tenant: Option<&str>,
         user: Option<&str>,
         entity_id: Option<&str>,
         hint: Option<&str>,
         for_exec: bool,
     ) -> Result<Arc<Session>> {
-        self.create_session(user, entity_id, hint, None, for_exec)
+        let owner = (tenant.map(str::to_string), user.map(str::to_string));
+        self.create_session(owner, entity_id, hint, None, for_exec)
             .await
     }
 
@@ -201,13 +216,14 @@ impl Broker {
         tenant: &str,
         entity_id: Option<&str>,
     ) -> Result<Arc<Session>> {
-        self.create_session(user, entity_id, None, Some(tenant), false)
+        let owner = (Some(tenant.to_string()), user.map(str::to_string));
+        self.create_session(owner, entity_id, None, Some(tenant), false)
             .await
     }
 
     async fn create_session(
         &self,
-        user: Option<&str>,
+        owner: OwnerKey,
         entity_id: Option<&str>,
         hint: Option<&str>,
         shared_in: Option<&str>,
@@ -218,16 +234,18 @@ impl Broker {
             self.config.caps.min_free_disk,
         )?;
         let removals = if for_exec {
-            self.make_room(user)
+            // Refused anyway: no other user's idle container is taken for it.
+            self.limits.check_user_room(&self.registry, &owner)?;
+            self.make_room(&owner)
         } else {
             // A session made by an upload holds no container, but a directory and a
             // registry entry until its files expire: it costs one of the user's execs.
-            self.limits.check_exec(user)?;
+            self.limits.check_exec(&owner)?;
             None
         };
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let _slot = for_exec
-            .then(|| self.limits.container_slot(&self.registry, user))
+            .then(|| self.limits.container_slot(&self.registry, &owner))
             .transpose()?;
         // A miss is counted as demand once, when the first exec takes from the pool again.
         let pooled = if for_exec {
@@ -245,13 +263,15 @@ impl Broker {
                 (id, ws)
             }
         };
+        let (tenant, user) = owner;
         let meta = SessionMeta {
             id,
-            user: user.map(str::to_string),
+            user: user.clone(),
             entity_id: entity_id.filter(|e| !e.is_empty()).map(str::to_string),
             runtime_hint: hint.map(str::to_string),
             created_ms: now_ms(),
             shared_in: shared_in.map(str::to_string),
+            tenant,
         };
         let session = self
             .registry
@@ -282,10 +302,29 @@ impl Broker {
     /// cannot be probed).
     pub(crate) fn visible_session(
         &self,
+        tenant: Option<&str>,
         user: Option<&str>,
         session_id: &str,
     ) -> Result<Arc<Session>> {
-        self.session_if(session_id, |s| s.visible_to(user))
+        self.session_if(session_id, |s| s.visible_to(tenant, user))
+    }
+
+    /// The session id a front end that names no user for its end users (MCP clients,
+    /// LobeChat) may go back to: `session_id`, unless it is the session of a named user.
+    /// Such a front end acts for everyone behind one key, and the ids of sessions it made
+    /// travel in transcripts and shared chats; a named user's id leaked into one starts a
+    /// new session instead. Callers that name a user are held to their own sessions
+    /// anyway.
+    pub(crate) fn front_end_session_id(
+        &self,
+        user: Option<&str>,
+        session_id: Option<String>,
+    ) -> Option<String> {
+        session_id.filter(|id| {
+            user.is_some()
+                || !is_valid_id(id)
+                || self.registry.get(id).is_none_or(|s| s.meta.user.is_none())
+        })
     }
 
     /// The session `session_id` if a caller naming `user` in `tenant` may read it: one it

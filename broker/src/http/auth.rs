@@ -4,8 +4,10 @@
 //!
 //! Under a JWT the user is its `sub`, whatever else the request says; under an API key the
 //! caller is a trusted server and names the user itself (`User-Id`, body `user_id`,
-//! `?kind=user&id=U`). The tenant decides who shares skill and agent files: a JWT's
-//! `tenant_id`, or the key that authenticated the request.
+//! `?kind=user&id=U`). The tenant is a boundary: a JWT's `tenant_id`, the named tenant of
+//! the key (CODEBROKER_TENANT_API_KEYS), or else the key itself. Sessions, their files
+//! and the skill and agent files shared in a tenant are found only by its callers, and a
+//! user is a user of one tenant.
 
 use crate::config::AuthMode;
 use crate::http::error::AppError;
@@ -61,10 +63,46 @@ impl Tenant {
         Tenant(format!("key:{}", hex::encode(&digest[..8])))
     }
 
+    /// The tenant of the keys configured as `name` (CODEBROKER_TENANT_API_KEYS). Its own
+    /// prefix, so that no key digest or `tenant_id` claim can name it.
+    pub(crate) fn named(name: &str) -> Tenant {
+        Tenant(format!("tenant:{name}"))
+    }
+
     /// The one tenant of a broker without authentication.
     pub(crate) fn open() -> Tenant {
         Tenant("open".into())
     }
+}
+
+/// Every configured API key with its tenant: each of CODEBROKER_API_KEY its own, each of
+/// CODEBROKER_TENANT_API_KEYS its named one.
+fn configured_keys(config: &crate::config::Config) -> Vec<(&str, Tenant)> {
+    let access = &config.access;
+    access
+        .api_keys()
+        .map(|key| (key, Tenant::of_key(key)))
+        .chain(
+            access
+                .tenant_keys()
+                .map(|(tenant, key)| (key, Tenant::named(tenant))),
+        )
+        .collect()
+}
+
+/// The broker's only tenant, when it has exactly one: auth off, or API keys of one tenant
+/// and no JWT keys (a JWT may name any tenant). Sessions saved before tenants were
+/// recorded go to it.
+pub(crate) fn sole_tenant(config: &crate::config::Config) -> Option<Tenant> {
+    if config.access.auth == AuthMode::None {
+        return Some(Tenant::open());
+    }
+    if config.access.jwt_key_entries().next().is_some() {
+        return None;
+    }
+    let keys = configured_keys(config);
+    let first = keys.first()?.1.clone();
+    keys.iter().all(|(_, t)| *t == first).then_some(first)
 }
 
 /// What the headers proved.
@@ -243,9 +281,15 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
     if let Some(token) = bearer_token(headers) {
         if !state.jwt.is_empty()
             && looks_like_jwt(token)
-            && !key_matches(config.access.api_keys(), token)
+            && !key_matches(configured_keys(config).iter().map(|(k, _)| *k), token)
         {
             return match state.jwt.verify(token) {
+                Ok(verified) if !verified.tenant_allowed => {
+                    tracing::info!(tenant = ?verified.tenant_id, "JWT refused: its key may not sign for its tenant");
+                    Err(AppError::Forbidden(
+                        "the key that signed this token may not sign for its tenant_id".into(),
+                    ))
+                }
                 Ok(verified) => {
                     tracing::debug!(user = %verified.user, tenant = ?verified.tenant_id, "JWT accepted");
                     let tenant = Tenant::of_jwt(verified.tenant_id.as_deref());
@@ -274,8 +318,9 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
 
 /// The tenant of the configured key that `given` is, or `None` when it is none of them.
 pub(crate) fn key_tenant(config: &crate::config::Config, given: &str) -> Option<Tenant> {
-    let index = matching_key(config.access.api_keys(), given)?;
-    config.access.api_keys().nth(index).map(Tenant::of_key)
+    let keys = configured_keys(config);
+    let index = matching_key(keys.iter().map(|(k, _)| *k), given)?;
+    keys.into_iter().nth(index).map(|(_, tenant)| tenant)
 }
 
 /// The token of `Authorization: Bearer <token>`.
@@ -350,6 +395,7 @@ fn decode_basic(encoded: &str) -> Result<String, &'static str> {
 /// some clients send it as written (axios), others decoded (node-fetch 2).
 fn basic_key(config: &crate::config::Config, credentials: &str) -> Result<Tenant, String> {
     let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
+    let keys = configured_keys(config);
     let mut found = None;
     let mut ambiguous = false;
     for part in [credentials, user, password] {
@@ -358,18 +404,17 @@ fn basic_key(config: &crate::config::Config, credentials: &str) -> Result<Tenant
             .ok()
             .filter(|d| d != part);
         for candidate in std::iter::once(part).chain(decoded.as_deref()) {
-            if let Some(index) = matching_key(config.access.api_keys(), candidate) {
+            if let Some(index) = matching_key(keys.iter().map(|(k, _)| *k), candidate) {
                 ambiguous |= found.is_some_and(|f| f != index);
                 found = Some(index);
             }
         }
     }
     match found {
-        Some(index) if !ambiguous => config
-            .access
-            .api_keys()
+        Some(index) if !ambiguous => keys
+            .into_iter()
             .nth(index)
-            .map(Tenant::of_key)
+            .map(|(_, tenant)| tenant)
             .ok_or_else(|| "no configured API key".to_string()),
         Some(_) => Err(
             "the user name and the password of the HTTP Basic credentials are two different \
@@ -615,6 +660,64 @@ mod tests {
         // Other schemes are not Basic.
         assert!(basic_credentials(&header("Bearer key-one")).is_none());
         assert!(basic_credentials(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn keys_of_a_named_tenant_share_it_and_plain_keys_stay_apart() {
+        let mut config = two_keys();
+        config.access.auth = AuthMode::Key;
+        config.access.tenant_api_keys = vec![
+            "acme:acme-1".into(),
+            " acme : acme-2 ".into(),
+            "globex:g:with:colons".into(),
+        ];
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        let acme = Tenant::named("acme");
+        assert_eq!(key_tenant(&config, "acme-1"), Some(acme.clone()));
+        assert_eq!(key_tenant(&config, "acme-2"), Some(acme.clone()));
+        assert_eq!(
+            key_tenant(&config, "g:with:colons"),
+            Some(Tenant::named("globex"))
+        );
+        assert_eq!(
+            key_tenant(&config, "key-one"),
+            Some(Tenant::of_key("key-one"))
+        );
+        assert_ne!(
+            key_tenant(&config, "key-one"),
+            key_tenant(&config, "key-two")
+        );
+        assert_eq!(
+            key_tenant(&config, "acme"),
+            None,
+            "a tenant's name is no key"
+        );
+        assert_eq!(key_tenant(&config, "acme:acme-1"), None);
+        assert_eq!(basic_tenant(&config, &basic(b"acme-2:")), Ok(acme.clone()));
+        assert_ne!(Tenant::of_jwt(Some("tenant:acme")), acme);
+        assert_eq!(sole_tenant(&config), None, "several tenants");
+
+        // Bad entries stop the start.
+        for bad in ["no-colon", ":key", "bad name:key", "acme:", "acme:key-one"] {
+            let mut config = two_keys();
+            config.access.tenant_api_keys = vec![bad.into()];
+            assert!(config.validate().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_broker_of_one_tenant_has_a_sole_tenant() {
+        let mut config = crate::config::Config::for_tests("/tmp".into(), "t");
+        config.access.auth = AuthMode::Key;
+        config.access.api_key = vec!["only".into()];
+        assert_eq!(sole_tenant(&config), Some(Tenant::of_key("only")));
+        config.access.api_key = vec![];
+        config.access.tenant_api_keys = vec!["acme:a".into(), "acme:b".into()];
+        assert_eq!(sole_tenant(&config), Some(Tenant::named("acme")));
+        config.access.jwt_public_keys = vec!["k=/some.pem".into()];
+        assert_eq!(sole_tenant(&config), None, "JWTs may name any tenant");
+        config.access.auth = AuthMode::None;
+        assert_eq!(sole_tenant(&config), Some(Tenant::open()));
     }
 
     #[test]

@@ -33,6 +33,9 @@ struct PublicKey {
     key: DecodingKey,
     /// Where it came from (a path, or "inline"), for the log.
     source: String,
+    /// The tenants it may sign for (CODEBROKER_JWT_KEY_TENANTS); `None`: any. Whoever
+    /// holds the private half of a key bound to one tenant cannot act in another.
+    tenants: Option<Vec<String>>,
 }
 
 /// The configured keys plus the claims every token must carry.
@@ -53,6 +56,9 @@ pub(crate) struct Verified {
     pub(crate) user: String,
     /// LibreChat's tenant, when it sends one: who shares skill and agent files.
     pub(crate) tenant_id: Option<String>,
+    /// Whether the key that signed the token may sign for its tenant (see
+    /// `PublicKey::tenants`); a token that verifies but may not is refused with 403.
+    pub(crate) tenant_allowed: bool,
 }
 
 /// The claims the broker reads; `iss`, `aud` and `nbf` are checked by `jsonwebtoken`.
@@ -77,6 +83,23 @@ impl JwtKeys {
             let key = parse_entry(entry)
                 .with_context(|| format!("bad CODEBROKER_JWT_PUBLIC_KEYS entry {entry:?}"))?;
             keys.push(key);
+        }
+        for (kid, tenants) in config.jwt_tenant_entries() {
+            let mut bound = keys
+                .iter_mut()
+                .filter(|k| k.kid.as_deref() == Some(kid))
+                .peekable();
+            if bound.peek().is_none() {
+                bail!(
+                    "CODEBROKER_JWT_KEY_TENANTS names kid {kid:?}, which no key of \
+                     CODEBROKER_JWT_PUBLIC_KEYS has"
+                );
+            }
+            for key in bound {
+                key.tenants
+                    .get_or_insert_with(Vec::new)
+                    .extend(tenants.iter().map(|t| t.to_string()));
+            }
         }
         Ok(JwtKeys {
             keys,
@@ -139,7 +162,11 @@ impl JwtKeys {
             validation.set_audience(&[&self.audience]);
             validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
             match decode::<Claims>(token, &key.key, &validation) {
-                Ok(data) => return check_claims(data.claims, now),
+                Ok(data) => {
+                    let mut verified = check_claims(data.claims, now)?;
+                    verified.tenant_allowed = key.may_sign_for(verified.tenant_id.as_deref());
+                    return Ok(verified);
+                }
                 Err(err) => last_error = err.to_string(),
             }
         }
@@ -195,7 +222,23 @@ fn check_claims(claims: Claims, now: u64) -> Result<Verified, String> {
     Ok(Verified {
         user: user.to_string(),
         tenant_id: claims.tenant_id,
+        tenant_allowed: true,
     })
+}
+
+impl PublicKey {
+    /// Whether this key may sign for the tenant a token's `tenant_id` claim names (the
+    /// claim as the tenant is made of it: trimmed, LibreChat's default when absent).
+    fn may_sign_for(&self, claim: Option<&str>) -> bool {
+        let Some(tenants) = &self.tenants else {
+            return true;
+        };
+        let tenant = claim
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .unwrap_or(crate::http::auth::LIBRECHAT_DEFAULT_TENANT);
+        tenants.iter().any(|t| t == tenant)
+    }
 }
 
 /// Whether a bearer token looks like a JWT (three base64url parts, a JSON header) rather
@@ -225,6 +268,7 @@ fn parse_entry(entry: &str) -> anyhow::Result<PublicKey> {
         alg,
         key,
         source,
+        tenants: None,
     })
 }
 
@@ -527,5 +571,39 @@ mod tests {
         c["tenant_id"] = json!("t".repeat(257));
         let err = keys.verify(&ed(&c)).expect_err("too long");
         assert!(err.contains("tenant_id"), "{err}");
+    }
+
+    /// A key bound to tenants verifies tokens for those only; an unbound key, for any.
+    #[test]
+    fn a_key_bound_to_tenants_signs_for_those_only() {
+        let mut config = Config::for_tests("/tmp".into(), "jwt-test");
+        config.access.jwt_public_keys = vec![
+            format!("ed-a={}", ED_A_PUB.replace('\n', "\\n")),
+            format!("ed-b={}", ED_B_PUB.replace('\n', "\\n")),
+        ];
+        config.access.jwt_key_tenants = vec!["ed-a=t1|legacy".into()];
+        let keys = JwtKeys::load(&config.access).expect("keys load");
+        let for_tenant = |kid: &str, private: &str, tenant: Option<&str>| {
+            let mut c = claims("alice");
+            match tenant {
+                Some(t) => c["tenant_id"] = json!(t),
+                None => remove(&mut c, "tenant_id"),
+            }
+            keys.verify(&sign(Algorithm::EdDSA, Some(kid), private, &c))
+                .expect("verifies")
+                .tenant_allowed
+        };
+        assert!(for_tenant("ed-a", ED_A, Some("t1")));
+        assert!(for_tenant("ed-a", ED_A, Some(" t1 ")));
+        assert!(for_tenant("ed-a", ED_A, None), "no claim: legacy");
+        assert!(!for_tenant("ed-a", ED_A, Some("t2")));
+        assert!(!for_tenant("ed-a", ED_A, Some("T1")));
+        assert!(for_tenant("ed-b", ED_B, Some("t2")), "unbound: any tenant");
+
+        // A binding that names no key, or no tenant, stops the start.
+        config.access.jwt_key_tenants = vec!["nokey=t1".into()];
+        assert!(JwtKeys::load(&config.access).is_err());
+        config.access.jwt_key_tenants = vec!["ed-a=".into()];
+        assert!(config.validate().is_err());
     }
 }

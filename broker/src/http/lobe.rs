@@ -13,7 +13,6 @@ use super::{AppState, GatewayJson};
 use crate::config::{AuthMode, Config};
 use crate::http::auth::{key_tenant, require_auth, Caller, Tenant};
 use crate::http::error::AppResult;
-use crate::ids::is_valid_id;
 use crate::render::lobe_markdown;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap};
@@ -177,14 +176,7 @@ async fn run(
     // Under the key's whole scope (LobeChat names no user), the model may go back only
     // to sessions that name no user: a session id of a named user's session, leaked into
     // a chat, starts a new session instead.
-    let session_id = args.session_id.filter(|id| {
-        caller.user.is_some()
-            || !is_valid_id(id)
-            || broker
-                .registry
-                .get(id)
-                .is_none_or(|s| s.meta.user.is_none())
-    });
+    let session_id = broker.front_end_session_id(caller.user.as_deref(), args.session_id);
     let body = ExecBody {
         lang: args.lang,
         code: args.code,

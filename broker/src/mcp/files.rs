@@ -36,17 +36,18 @@ impl CodeTools {
             )));
         }
         let user = caller.user.as_deref();
-        let explicit = session_arg(args.session_id.as_deref())?;
+        let tenant = caller.tenant.as_deref();
+        let explicit = broker.front_end_session_id(user, session_arg(args.session_id.as_deref())?);
         let broker = &broker;
         let session = self
             .remembering(explicit, |wanted| async move {
                 let found = wanted
                     .as_deref()
                     .and_then(|id| broker.registry.get(id))
-                    .filter(|s| s.visible_to(user));
+                    .filter(|s| s.visible_to(tenant, user));
                 match found {
                     Some(s) => Ok(s),
-                    None => broker.new_session(user, None, false).await,
+                    None => broker.new_session(tenant, user, None, false).await,
                 }
             })
             .await?;
@@ -106,7 +107,15 @@ impl CodeTools {
                 "no session yet: pass the session_id of an earlier result".into(),
             ));
         };
-        self.broker().visible_session(caller.user.as_deref(), &id)
+        let session =
+            self.broker()
+                .visible_session(caller.tenant.as_deref(), caller.user.as_deref(), &id)?;
+        // LobeChat's rule, as for `execute_code`: a front end naming no user reads no named
+        // user's session.
+        if caller.user.is_none() && session.meta.user.is_some() {
+            return Err(Error::NotFound(format!("session {id} not found")));
+        }
+        Ok(session)
     }
 
     pub(super) async fn list(

@@ -345,10 +345,14 @@ impl CodeTools {
         explicit: Option<String>,
     ) -> Result<Arc<Session>, Error> {
         let broker = self.broker();
+        // An MCP client names no user for the people behind it: LobeChat's rule, so a
+        // leaked id of a named user's session starts a new one.
+        let explicit = broker.front_end_session_id(caller.user.as_deref(), explicit);
         self.remembering(explicit, |wanted| {
             let choice = SessionChoice {
                 user: caller.user.clone(),
                 session_id: wanted,
+                tenant: caller.tenant.clone(),
                 ..SessionChoice::default()
             };
             async move { broker.admit_exec(&choice, &[]).await }

@@ -58,8 +58,8 @@ pub(crate) struct Live {
     pub(crate) busy: bool,
     /// Its uses when the snapshot was taken: a removal is dropped if it was used since.
     pub(crate) uses: u64,
-    /// Its owner (`None`: callers that name no user), for the per-user cap.
-    pub(crate) user: Option<String>,
+    /// Its owner (tenant and user), for the per-user cap.
+    pub(crate) user: super::OwnerKey,
 }
 
 /// The containers about to start, for which the caps must leave room.
@@ -67,9 +67,9 @@ pub(crate) struct Live {
 pub(crate) struct Room<'a> {
     /// How many, all users together.
     pub(crate) total: usize,
-    /// The owner of the one a request is waiting for (`Some(None)`: a caller naming no
-    /// user), who gets room under the per-user cap too; `None`: no such request.
-    pub(crate) user: Option<Option<&'a str>>,
+    /// The owner of the one a request is waiting for, who gets room under the per-user
+    /// cap too; `None`: no such request.
+    pub(crate) user: Option<&'a super::OwnerKey>,
 }
 
 /// The containers to remove, as indexes into `live` with the reason, so that after
@@ -105,7 +105,7 @@ pub(crate) fn victims(
         }
     }
     if let (true, Some(user)) = (policy.max_per_user > 0, room.user) {
-        let mine = |i: &usize| live[*i].user.as_deref() == user;
+        let mine = |i: &usize| &live[*i].user == user;
         let wanted = keep.iter().filter(|i| mine(i)).count() + 1;
         let excess = wanted.saturating_sub(policy.max_per_user);
         let mut idle: Vec<usize> = keep
@@ -140,7 +140,7 @@ mod tests {
             execs,
             busy,
             uses: 0,
-            user: None,
+            user: (None, None),
         }
     }
 
@@ -234,7 +234,7 @@ mod tests {
     fn the_per_user_cap_evicts_that_users_least_recently_used_idle_container() {
         let now = 100 * SEC;
         let of = |user: &str, last_used_s: u64, busy: bool| Live {
-            user: Some(user.into()),
+            user: (Some("t".into()), Some(user.into())),
             ..live(last_used_s, 3, busy)
         };
         let sessions = [
@@ -245,9 +245,13 @@ mod tests {
         ];
         let mut p = policy(0);
         p.max_per_user = 3;
+        let (a, b) = (
+            (Some("t".to_string()), Some("a".to_string())),
+            (Some("t".to_string()), Some("b".to_string())),
+        );
         let for_a = Room {
             total: 1,
-            user: Some(Some("a")),
+            user: Some(&a),
         };
         assert_eq!(
             victims(&p, &sessions, now, for_a),
@@ -256,7 +260,7 @@ mod tests {
         // Room for b: b has one of three.
         let for_b = Room {
             total: 1,
-            user: Some(Some("b")),
+            user: Some(&b),
         };
         assert_eq!(victims(&p, &sessions, now, for_b), vec![]);
         // Cap one: both of a's idle ones go, the busy one stays (the caller then gets 429).

@@ -40,7 +40,17 @@ pub(crate) struct SessionMeta {
     /// from it; its files expire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) shared_in: Option<String>,
+    /// The tenant of the caller that made it (a key's, a named group of keys', a JWT's):
+    /// callers of any other tenant never find it, whatever user they name. `None` on a
+    /// session made before tenants were recorded: the registry gives it to a broker's only
+    /// tenant when it has one; otherwise nobody finds it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) tenant: Option<String>,
 }
+
+/// Who a session, a budget or a cap belongs to: the tenant, and the user in it (`None`:
+/// the callers of the tenant that name no user).
+pub(crate) type OwnerKey = (Option<String>, Option<String>);
 
 /// One chat session.
 pub struct Session {
@@ -97,10 +107,18 @@ impl Session {
         &self.meta.id
     }
 
-    /// Whether `user` may see this session (see [`visible`]): use it, run code in it, add
-    /// to it. Never a session of shared files.
-    pub(crate) fn visible_to(&self, user: Option<&str>) -> bool {
-        !self.is_shared() && visible(user, self.meta.user.as_deref())
+    /// Whether a caller in `tenant` naming `user` may see this session (see [`visible`]):
+    /// use it, run code in it, add to it. Only in its own tenant; never a session of
+    /// shared files.
+    pub(crate) fn visible_to(&self, tenant: Option<&str>, user: Option<&str>) -> bool {
+        !self.is_shared()
+            && same_tenant(tenant, self.meta.tenant.as_deref())
+            && visible(user, self.meta.user.as_deref())
+    }
+
+    /// Its owner, as budgets and caps count it.
+    pub(crate) fn owner_key(&self) -> OwnerKey {
+        (self.meta.tenant.clone(), self.meta.user.clone())
     }
 
     /// Whether this session holds shared files (see [`SessionMeta::shared_in`]).
@@ -113,7 +131,7 @@ impl Session {
     pub(crate) fn readable_by(&self, user: Option<&str>, tenant: Option<&str>) -> bool {
         match self.meta.shared_in.as_deref() {
             Some(shared_in) => tenant == Some(shared_in),
-            None => visible(user, self.meta.user.as_deref()),
+            None => self.visible_to(tenant, user),
         }
     }
 
@@ -223,8 +241,9 @@ impl Drop for ExecRunning<'_> {
 }
 
 /// Whether a caller naming `user` may see what `owner` owns (a session, a programmatic
-/// run). A caller that names no user acts with the API key's scope and sees everything; a
-/// named user sees only what is theirs: not another user's, and not what an unnamed
+/// run), within one tenant (see [`same_tenant`]). A caller that names no user acts with the
+/// scope of its tenant's keys and sees everything of the tenant; a named user sees only
+/// what is theirs: not another user's, and not what an unnamed
 /// caller made (MCP clients, LobeChat and the playground name no user, and their session
 /// ids travel in transcripts and shared chats).
 pub(crate) fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
@@ -233,6 +252,12 @@ pub(crate) fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
         (Some(_), None) => false,
         (None, _) => true,
     }
+}
+
+/// Whether a caller in tenant `caller` may see what was made in tenant `owner`: only the
+/// same one. A caller outside every tenant (a route without authentication) sees nothing.
+pub(crate) fn same_tenant(caller: Option<&str>, owner: Option<&str>) -> bool {
+    caller.is_some() && caller == owner
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -252,6 +277,7 @@ mod tests {
             runtime_hint: None,
             created_ms: 0,
             shared_in: None,
+            tenant: Some("t1".into()),
         };
         let workspace = Workspace::new(std::path::Path::new("/nonexistent"), &meta.id);
         Session::new(meta, workspace, FileIndex::default())
@@ -267,18 +293,42 @@ mod tests {
     }
 
     #[test]
+    fn sessions_are_seen_in_their_tenant_only() {
+        let mut session = idle_session();
+        session.meta.user = Some("alice".into());
+        assert!(session.visible_to(Some("t1"), Some("alice")));
+        assert!(session.visible_to(Some("t1"), None), "the tenant's scope");
+        assert!(!session.visible_to(Some("t1"), Some("bob")));
+        for user in [Some("alice"), None] {
+            assert!(!session.visible_to(Some("t2"), user), "{user:?}");
+            assert!(!session.readable_by(user, Some("t2")), "{user:?}");
+            assert!(!session.visible_to(None, user), "outside every tenant");
+        }
+        session.meta.tenant = None;
+        assert!(
+            !session.visible_to(None, None),
+            "an untenanted session is nobody's"
+        );
+        assert!(!session.visible_to(Some("t1"), None));
+    }
+
+    #[test]
     fn shared_sessions_are_read_by_their_tenant_only_and_seen_by_nobody() {
         let mut session = idle_session();
         session.meta.user = Some("alice".into());
         assert!(session.readable_by(Some("alice"), Some("t1")));
-        assert!(session.readable_by(None, None), "the key's scope");
+        assert!(session.readable_by(None, Some("t1")), "the tenant's scope");
+        assert!(!session.readable_by(None, None), "outside every tenant");
         session.meta.shared_in = Some("t1".into());
         assert!(session.is_shared());
         for user in [Some("alice"), Some("bob"), None] {
             assert!(session.readable_by(user, Some("t1")), "{user:?}");
             assert!(!session.readable_by(user, Some("t2")), "{user:?}");
             assert!(!session.readable_by(user, None), "{user:?}");
-            assert!(!session.visible_to(user), "{user:?}: never written to");
+            assert!(
+                !session.visible_to(Some("t1"), user),
+                "{user:?}: never written to"
+            );
         }
     }
 

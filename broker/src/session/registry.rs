@@ -11,23 +11,34 @@ use std::sync::Arc;
 /// The name of a session's metadata file in its workspace root.
 pub(crate) const META_FILE: &str = "session.json";
 
+/// `(tenant, user, entity_id or hint)`: what an affinity is remembered by. Two callers
+/// share a session this way only in one tenant, as one user (or both naming none).
+type AffinityKey = (String, String, String);
+
 /// Sessions by id, plus the `entity_id` affinity map.
 pub(crate) struct Registry {
     /// Where workspaces live; sessions not in memory are loaded from here.
     data_dir: PathBuf,
     /// Sessions loaded so far.
     sessions: DashMap<String, Arc<Session>>,
-    /// `(user, entity_id)` to session id: LibreChat agents name their entity on each
-    /// call, so calls of one agent find one session.
-    entities: DashMap<(String, String), String>,
+    /// `(tenant, user, entity_id)` to session id: LibreChat agents name their entity on
+    /// each call, so calls of one agent find one session.
+    entities: DashMap<AffinityKey, String>,
+    /// The tenant sessions saved before tenants were recorded belong to: the broker's only
+    /// tenant, when it has exactly one (one key, or auth off), so that such a setup keeps
+    /// its sessions across the upgrade; `None`: nobody's.
+    untenanted_owner: Option<String>,
 }
 
 impl Registry {
-    pub(crate) fn new(data_dir: &Path) -> Registry {
+    /// The sessions under `data_dir`; those saved without a tenant are given to
+    /// `untenanted_owner`.
+    pub(crate) fn new(data_dir: &Path, untenanted_owner: Option<String>) -> Registry {
         Registry {
             data_dir: data_dir.to_path_buf(),
             sessions: DashMap::new(),
             entities: DashMap::new(),
+            untenanted_owner,
         }
     }
 
@@ -49,7 +60,7 @@ impl Registry {
         if let Some(s) = self.sessions.get(id) {
             return Some(s.clone());
         }
-        let session = Arc::new(load(&self.data_dir, id).ok()?);
+        let session = Arc::new(load(&self.data_dir, id, self.untenanted_owner.as_deref()).ok()?);
         Some(
             self.sessions
                 .entry(id.to_string())
@@ -58,16 +69,27 @@ impl Registry {
         )
     }
 
-    /// The session made for `entity_id` by `user`.
-    pub(crate) fn by_entity(&self, user: Option<&str>, entity_id: &str) -> Option<Arc<Session>> {
-        let key = (user.unwrap_or("").to_string(), entity_id.to_string());
+    /// The session made for `entity_id` by `user` in `tenant`.
+    pub(crate) fn by_entity(
+        &self,
+        tenant: Option<&str>,
+        user: Option<&str>,
+        entity_id: &str,
+    ) -> Option<Arc<Session>> {
+        let tenant = tenant?;
+        let key = affinity_key(Some(tenant), user, entity_id);
         let id = self.entities.get(&key)?.clone();
         self.get(&id)
     }
 
-    /// The session made for `runtime_session_hint` `hint` by `user`.
-    pub(crate) fn by_hint(&self, user: Option<&str>, hint: &str) -> Option<Arc<Session>> {
-        self.by_entity(user, &hint_key(hint))
+    /// The session made for `runtime_session_hint` `hint` by `user` in `tenant`.
+    pub(crate) fn by_hint(
+        &self,
+        tenant: Option<&str>,
+        user: Option<&str>,
+        hint: &str,
+    ) -> Option<Arc<Session>> {
+        self.by_entity(tenant, user, &hint_key(hint))
     }
 
     /// Registers the affinity keys (entity, hint) of a session. A session of shared files
@@ -76,14 +98,20 @@ impl Registry {
         if meta.shared_in.is_some() {
             return;
         }
-        let user = meta.user.clone().unwrap_or_default();
+        // Nobody's session is nobody's to find.
+        let Some(tenant) = meta.tenant.as_deref() else {
+            return;
+        };
+        let user = meta.user.as_deref();
         if let Some(entity) = &meta.entity_id {
             self.entities
-                .insert((user.clone(), entity.clone()), meta.id.clone());
+                .insert(affinity_key(Some(tenant), user, entity), meta.id.clone());
         }
         if let Some(hint) = &meta.runtime_hint {
-            self.entities
-                .insert((user, hint_key(hint)), meta.id.clone());
+            self.entities.insert(
+                affinity_key(Some(tenant), user, &hint_key(hint)),
+                meta.id.clone(),
+            );
         }
     }
 
@@ -104,14 +132,14 @@ impl Registry {
     /// Forgets a session (its workspace is the caller's to remove).
     pub(crate) fn remove(&self, id: &str) {
         if let Some((_, session)) = self.sessions.remove(id) {
-            let user = session.meta.user.clone().unwrap_or_default();
+            let (tenant, user) = session.owner_key();
             let keys = [
                 session.meta.entity_id.clone(),
                 session.meta.runtime_hint.as_deref().map(hint_key),
             ];
             for key in keys.into_iter().flatten() {
-                self.entities
-                    .remove_if(&(user.clone(), key), |_, v| v == id);
+                let key = affinity_key(tenant.as_deref(), user.as_deref(), &key);
+                self.entities.remove_if(&key, |_, v| v == id);
             }
         }
     }
@@ -141,14 +169,25 @@ impl Registry {
     }
 }
 
+fn affinity_key(tenant: Option<&str>, user: Option<&str>, key: &str) -> AffinityKey {
+    (
+        tenant.unwrap_or_default().to_string(),
+        user.unwrap_or_default().to_string(),
+        key.to_string(),
+    )
+}
+
 /// Hints live in the entity map under a prefix no entity id carries.
 fn hint_key(hint: &str) -> String {
     format!("\u{1}hint:{hint}")
 }
 
-fn load(data_dir: &Path, id: &str) -> io::Result<Session> {
+fn load(data_dir: &Path, id: &str, untenanted_owner: Option<&str>) -> io::Result<Session> {
     let workspace = Workspace::new(data_dir, id);
-    let meta: SessionMeta = workspace.load_meta(META_FILE)?;
+    let mut meta: SessionMeta = workspace.load_meta(META_FILE)?;
+    if meta.tenant.is_none() && meta.shared_in.is_none() {
+        meta.tenant = untenanted_owner.map(str::to_string);
+    }
     if meta.id != id {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -168,7 +207,7 @@ mod tests {
     fn sessions_and_entities_survive_a_restart() {
         let tmp = tempfile::tempdir().unwrap();
         let id = new_id();
-        let registry = Registry::new(tmp.path());
+        let registry = Registry::new(tmp.path(), None);
         let ws = Workspace::new(tmp.path(), &id);
         std::fs::create_dir_all(ws.files_dir()).unwrap();
         let meta = SessionMeta {
@@ -178,16 +217,23 @@ mod tests {
             runtime_hint: Some("conv-1".into()),
             created_ms: 1,
             shared_in: None,
+            tenant: Some("t1".into()),
         };
         registry.insert_new(meta, ws).unwrap();
-        assert!(registry.by_entity(Some("u1"), "agent").is_some());
-        assert!(registry.by_entity(Some("u2"), "agent").is_none());
+        let t1 = Some("t1");
+        assert!(registry.by_entity(t1, Some("u1"), "agent").is_some());
+        assert!(registry.by_entity(t1, Some("u2"), "agent").is_none());
+        assert!(registry
+            .by_entity(Some("t2"), Some("u1"), "agent")
+            .is_none());
+        assert!(registry.by_entity(None, Some("u1"), "agent").is_none());
 
-        let again = Registry::new(tmp.path());
+        let again = Registry::new(tmp.path(), None);
         assert_eq!(again.load_all().unwrap(), 1);
-        let session = again.by_entity(Some("u1"), "agent").unwrap();
-        assert_eq!(again.by_hint(Some("u1"), "conv-1").unwrap().id(), id);
-        assert!(again.by_hint(Some("u2"), "conv-1").is_none());
+        let session = again.by_entity(t1, Some("u1"), "agent").unwrap();
+        assert_eq!(again.by_hint(t1, Some("u1"), "conv-1").unwrap().id(), id);
+        assert!(again.by_hint(t1, Some("u2"), "conv-1").is_none());
+        assert!(again.by_hint(Some("t2"), Some("u1"), "conv-1").is_none());
         assert_eq!(session.id(), id);
         assert!(again.get("not-an-id").is_none());
         assert!(again.get(&new_id()).is_none());
@@ -197,7 +243,7 @@ mod tests {
     fn shared_sessions_have_no_entity_and_stay_shared_after_a_restart() {
         let tmp = tempfile::tempdir().unwrap();
         let id = new_id();
-        let registry = Registry::new(tmp.path());
+        let registry = Registry::new(tmp.path(), None);
         let ws = Workspace::new(tmp.path(), &id);
         std::fs::create_dir_all(ws.files_dir()).unwrap();
         let meta = SessionMeta {
@@ -207,16 +253,47 @@ mod tests {
             runtime_hint: None,
             created_ms: 1,
             shared_in: Some("jwt:t1".into()),
+            tenant: Some("jwt:t1".into()),
         };
         registry.insert_new(meta, ws).unwrap();
-        assert!(registry.by_entity(Some("u1"), "agent").is_none());
+        let t1 = Some("jwt:t1");
+        assert!(registry.by_entity(t1, Some("u1"), "agent").is_none());
 
-        let again = Registry::new(tmp.path());
+        let again = Registry::new(tmp.path(), None);
         assert_eq!(again.load_all().unwrap(), 1);
-        assert!(again.by_entity(Some("u1"), "agent").is_none());
+        assert!(again.by_entity(t1, Some("u1"), "agent").is_none());
         let session = again.get(&id).unwrap();
         assert_eq!(session.meta.shared_in.as_deref(), Some("jwt:t1"));
-        assert!(!session.visible_to(Some("u1")));
+        assert!(!session.visible_to(t1, Some("u1")));
         assert!(session.readable_by(Some("u2"), Some("jwt:t1")));
+    }
+
+    /// A session saved before tenants were recorded: the only tenant of a broker gets it
+    /// (and its affinity), a broker of several tenants gives it to none.
+    #[test]
+    fn untenanted_sessions_go_to_the_only_tenant() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = new_id();
+        let ws = Workspace::new(tmp.path(), &id);
+        std::fs::create_dir_all(ws.files_dir()).unwrap();
+        let old = serde_json::json!({ "id": id, "user": null, "entity_id": "agent",
+                                      "created_ms": 1 });
+        ws.save_meta(META_FILE, &old).unwrap();
+
+        let sole = Registry::new(tmp.path(), Some("key:one".into()));
+        assert_eq!(sole.load_all().unwrap(), 1);
+        let session = sole.get(&id).unwrap();
+        assert!(session.visible_to(Some("key:one"), None));
+        assert!(!session.visible_to(Some("key:two"), None));
+        assert_eq!(
+            sole.by_entity(Some("key:one"), None, "agent").unwrap().id(),
+            id
+        );
+
+        let several = Registry::new(tmp.path(), None);
+        assert_eq!(several.load_all().unwrap(), 1);
+        let session = several.get(&id).unwrap();
+        assert!(!session.visible_to(Some("key:one"), None));
+        assert!(several.by_entity(Some("key:one"), None, "agent").is_none());
     }
 }

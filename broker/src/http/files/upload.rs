@@ -196,20 +196,26 @@ async fn upload_session(
         if !is_valid_id(id) {
             return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
         }
-        if let Some(s) = broker.registry.get(id).filter(|s| s.visible_to(user)) {
+        if let Some(s) = broker
+            .registry
+            .get(id)
+            .filter(|s| s.visible_to(tenant, user))
+        {
             return Ok(s);
         }
     }
     if let Some(entity) = field("entity_id") {
         if let Some(s) = broker
             .registry
-            .by_entity(user, entity)
-            .filter(|s| s.visible_to(user))
+            .by_entity(tenant, user, entity)
+            .filter(|s| s.visible_to(tenant, user))
         {
             return Ok(s);
         }
     }
-    Ok(broker.new_session(user, field("entity_id"), false).await?)
+    Ok(broker
+        .new_session(tenant, user, field("entity_id"), false)
+        .await?)
 }
 
 /// Whether an upload's files are shared in the caller's tenant: `kind` `skill` or `agent`
