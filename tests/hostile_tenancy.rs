@@ -470,3 +470,42 @@ async fn a_programmatic_run_answers_its_tenant_only() {
     assert_eq!(body["status"], "completed", "{body}");
     assert_eq!(stdout(&body), "2\n", "{body}");
 }
+
+/// MCP's `list_files` and `read_file` with a session id: nothing of another key's session,
+/// nor of a named user's session under its own key (LobeChat's rule, as `execute_code`);
+/// its own unnamed session it does read.
+#[tokio::test]
+async fn mcp_reads_stay_in_the_callers_sessions() {
+    let broker = two_keys("tenancy-mcp-read", |_| {}).await;
+    let (unnamed, _) = write_secret(&broker, &key(KEY_A)).await;
+    let (alice, _) = write_secret(&broker, &key_user(KEY_A, "alice")).await;
+    for (who, client_key, target) in [
+        ("key b in key a's", KEY_B, unnamed.clone()),
+        ("key a in alice's", KEY_A, alice.clone()),
+        ("key b in alice's", KEY_B, alice.clone()),
+    ] {
+        let client = connect(&broker, Some(client_key)).await.expect("connect");
+        let listed = call(&client, "list_files", json!({ "session_id": target })).await;
+        assert_eq!(listed.is_error, Some(true), "{who}: list: {listed:?}");
+        assert!(!format!("{listed:?}").contains("secret.txt"), "{who}: {listed:?}");
+        let read = call(
+            &client,
+            "read_file",
+            json!({ "session_id": target, "name": "secret.txt" }),
+        )
+        .await;
+        assert_eq!(read.is_error, Some(true), "{who}: read: {read:?}");
+        assert!(!format!("{read:?}").contains("TOP SECRET"), "{who}: {read:?}");
+        let _ = client.cancel().await;
+    }
+    let client = connect(&broker, Some(KEY_A)).await.expect("connect");
+    let read = call(
+        &client,
+        "read_file",
+        json!({ "session_id": unnamed, "name": "secret.txt" }),
+    )
+    .await;
+    assert_eq!(read.is_error, Some(false), "{read:?}");
+    assert!(format!("{read:?}").contains("TOP SECRET"), "{read:?}");
+    let _ = client.cancel().await;
+}
