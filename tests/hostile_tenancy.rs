@@ -487,7 +487,10 @@ async fn mcp_reads_stay_in_the_callers_sessions() {
         let client = connect(&broker, Some(client_key)).await.expect("connect");
         let listed = call(&client, "list_files", json!({ "session_id": target })).await;
         assert_eq!(listed.is_error, Some(true), "{who}: list: {listed:?}");
-        assert!(!format!("{listed:?}").contains("secret.txt"), "{who}: {listed:?}");
+        assert!(
+            !format!("{listed:?}").contains("secret.txt"),
+            "{who}: {listed:?}"
+        );
         let read = call(
             &client,
             "read_file",
@@ -495,7 +498,10 @@ async fn mcp_reads_stay_in_the_callers_sessions() {
         )
         .await;
         assert_eq!(read.is_error, Some(true), "{who}: read: {read:?}");
-        assert!(!format!("{read:?}").contains("TOP SECRET"), "{who}: {read:?}");
+        assert!(
+            !format!("{read:?}").contains("TOP SECRET"),
+            "{who}: {read:?}"
+        );
         let _ = client.cancel().await;
     }
     let client = connect(&broker, Some(KEY_A)).await.expect("connect");
