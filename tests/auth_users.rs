@@ -352,6 +352,8 @@ async fn container_cap_answers_429_while_all_run_code() {
     let broker = TestBroker::start_with("cap", |c| {
         c.caps.max_containers = ContainerCap::Count(1);
         c.max_exec_timeout_ms = 10_000;
+        // Without code mode (whose execute may run longer) a plain exec is the longest.
+        c.code_mode.codemode = false;
     })
     .await;
     let busy = busy_exec(&broker, "first", "sleep 4; echo done");

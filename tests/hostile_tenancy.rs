@@ -317,3 +317,201 @@ async fn mcp_execute_code_stays_in_its_callers_sessions() {
     assert_eq!(value["result"], "TOP SECRET", "{value}");
     let _ = client.cancel().await;
 }
+
+/// Keys configured as one tenant (`tenant:key`) find one another's sessions; a key of
+/// another tenant still finds nothing.
+#[tokio::test]
+async fn keys_of_one_named_tenant_share_their_sessions() {
+    let broker = TestBroker::start_with("tenancy-named", |c| {
+        c.access.auth = AuthMode::Key;
+        c.access.api_key = vec![KEY_B.into()];
+        c.access.tenant_api_keys = vec!["acme:acme-one".into(), "acme:acme-two".into()];
+    })
+    .await;
+    let (s, f) = write_secret(&broker, &key("acme-one")).await;
+    try_every_path(&broker, "key b", &key(KEY_B), &s, &f).await;
+    owner_still_sees(&broker, &key("acme-two"), &s, &f).await;
+    owner_still_sees(&broker, &key("acme-one"), &s, &f).await;
+}
+
+/// A JWT key bound to tenant t1 signs for t1 only: its token for t2 gets 403 with a clear
+/// error, and the next token for t1 still works.
+#[tokio::test]
+async fn a_jwt_key_bound_to_a_tenant_cannot_sign_for_another() {
+    let broker = two_keys("tenancy-jwt-bound", |c| {
+        c.access.jwt_key_tenants = vec!["lc-ed=t1".into()];
+    })
+    .await;
+    let body = json!({ "lang": "py", "code": "print('ran')" });
+    let (status, refused) = exec(&broker, &bearer(&tenant_jwt("alice", "t2")), body.clone()).await;
+    assert_eq!(status, 403, "{refused}");
+    assert!(
+        refused
+            .to_string()
+            .contains("may not sign for its tenant_id"),
+        "{refused}"
+    );
+    let (status, ran) = exec(&broker, &bearer(&tenant_jwt("alice", "t1")), body).await;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(stdout(&ran), "ran\n", "{ran}");
+}
+
+/// A request the per-user cap refuses takes no other user's idle container on its way:
+/// with a cap of two containers, one user's only place running code and another user's
+/// container idle, the first user's new session gets 429 (told to wait as long as the
+/// longest exec may run) and the other's container stays.
+#[tokio::test]
+async fn a_refused_request_evicts_no_other_users_container() {
+    let broker = two_keys("tenancy-make-room", |c| {
+        c.caps.max_containers = codebroker::config::ContainerCap::Count(2);
+        c.caps.max_sessions_per_user = 1;
+        c.max_exec_timeout_ms = 20_000;
+    })
+    .await;
+    let (status, bob) = exec(
+        &broker,
+        &key_user(KEY_A, "bob"),
+        json!({ "lang": "py", "code": "print('idle')" }),
+    )
+    .await;
+    assert_eq!(status, 200, "{bob}");
+    let bobs_container = broker.containers();
+    assert_eq!(bobs_container.len(), 1, "{bobs_container:?}");
+
+    let (client, url) = (broker.client.clone(), broker.url("/exec"));
+    let busy = tokio::spawn(async move {
+        let request = client
+            .post(url)
+            .header("x-api-key", KEY_A)
+            .header("user-id", "alice")
+            .json(&json!({ "lang": "bash", "code": "sleep 6; echo done" }));
+        common::answer(request.send().await.expect("busy exec")).await
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while broker.containers().len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no second container");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+
+    let (status, refused) = exec(
+        &broker,
+        &key_user(KEY_A, "alice"),
+        json!({ "lang": "bash", "code": "echo second" }),
+    )
+    .await;
+    assert_eq!(status, 429, "{refused}");
+    // Code mode is on, and its `execute` may hold a session 60 s: the wait covers it, not
+    // only the 20 s of a plain exec.
+    let wait = refused["retry_after_seconds"]
+        .as_u64()
+        .expect("retry_after_seconds");
+    assert!((50..=60).contains(&wait), "{refused}");
+    // Removals run at once when no exec holds them back: give one the time it would take.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let now = broker.containers();
+    assert!(
+        now.contains(&bobs_container[0]),
+        "bob's idle container was removed for a request refused anyway: {now:?}"
+    );
+    let (status, done) = busy.await.expect("busy exec");
+    assert_eq!(status, 200, "{done}");
+}
+
+/// A programmatic run answers its tenant only: another key's caller cancelling by the
+/// run's request id, or continuing with its token, gets 404 and leaves it alone.
+#[tokio::test]
+async fn a_programmatic_run_answers_its_tenant_only() {
+    let broker = two_keys("tenancy-ptc", |_| {}).await;
+    let tools = json!([{ "name": "add", "description": "Adds a and b.",
+        "parameters": { "type": "object", "properties": { "a": {"type": "number"}, "b": {"type": "number"} } } }]);
+    let programmatic = |headers: Headers, body: Value| {
+        let request = broker
+            .client
+            .post(broker.url("/exec/programmatic"))
+            .json(&body);
+        async move { send(request, &headers).await }
+    };
+    let mut a_headers = key(KEY_A);
+    a_headers.push(("x-librechat-code-request-id", "rid-1".to_string()));
+    let (status, a) = programmatic(
+        a_headers,
+        json!({ "code": "print(await add(a=1, b=1))", "tools": tools }),
+    )
+    .await;
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["status"], "tool_call_required", "{a}");
+
+    let (status, body) = send(
+        broker
+            .client
+            .post(broker.url("/exec/programmatic/cancel"))
+            .json(&json!({ "request_id": "rid-1" })),
+        &key(KEY_B),
+    )
+    .await;
+    assert_eq!(status, 404, "key b cancelled key a's run: {body}");
+    let results = json!([{ "call_id": a["tool_calls"][0]["id"], "result": 40 }]);
+    let (status, body) = programmatic(
+        key(KEY_B),
+        json!({ "continuation_token": a["continuation_token"], "tool_results": results }),
+    )
+    .await;
+    assert_eq!(status, 404, "key b continued key a's run: {body}");
+
+    // Key a's run is untouched.
+    let results = json!([{ "call_id": a["tool_calls"][0]["id"], "result": 2 }]);
+    let (status, body) = programmatic(
+        key(KEY_A),
+        json!({ "continuation_token": a["continuation_token"], "tool_results": results }),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "completed", "{body}");
+    assert_eq!(stdout(&body), "2\n", "{body}");
+}
+
+/// MCP's `list_files` and `read_file` with a session id: nothing of another key's session,
+/// nor of a named user's session under its own key (LobeChat's rule, as `execute_code`);
+/// its own unnamed session it does read.
+#[tokio::test]
+async fn mcp_reads_stay_in_the_callers_sessions() {
+    let broker = two_keys("tenancy-mcp-read", |_| {}).await;
+    let (unnamed, _) = write_secret(&broker, &key(KEY_A)).await;
+    let (alice, _) = write_secret(&broker, &key_user(KEY_A, "alice")).await;
+    for (who, client_key, target) in [
+        ("key b in key a's", KEY_B, unnamed.clone()),
+        ("key a in alice's", KEY_A, alice.clone()),
+        ("key b in alice's", KEY_B, alice.clone()),
+    ] {
+        let client = connect(&broker, Some(client_key)).await.expect("connect");
+        let listed = call(&client, "list_files", json!({ "session_id": target })).await;
+        assert_eq!(listed.is_error, Some(true), "{who}: list: {listed:?}");
+        assert!(
+            !format!("{listed:?}").contains("secret.txt"),
+            "{who}: {listed:?}"
+        );
+        let read = call(
+            &client,
+            "read_file",
+            json!({ "session_id": target, "name": "secret.txt" }),
+        )
+        .await;
+        assert_eq!(read.is_error, Some(true), "{who}: read: {read:?}");
+        assert!(
+            !format!("{read:?}").contains("TOP SECRET"),
+            "{who}: {read:?}"
+        );
+        let _ = client.cancel().await;
+    }
+    let client = connect(&broker, Some(KEY_A)).await.expect("connect");
+    let read = call(
+        &client,
+        "read_file",
+        json!({ "session_id": unnamed, "name": "secret.txt" }),
+    )
+    .await;
+    assert_eq!(read.is_error, Some(false), "{read:?}");
+    assert!(format!("{read:?}").contains("TOP SECRET"), "{read:?}");
+    let _ = client.cancel().await;
+}

@@ -1129,6 +1129,16 @@ mod tests {
     }
 
     #[test]
+    fn the_user_share_is_a_percentage() {
+        let parse = |v: &str| Config::try_parse_from(["codebroker", "--user-share-percent", v]);
+        assert_eq!(parse("25").expect("valid").caps.user_share_percent, 25);
+        assert_eq!(parse("100").expect("valid").caps.user_share_percent, 100);
+        for bad in ["0", "101", "-1", "quarter"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn sizes_take_units() {
         assert_eq!(parse_size("1073741824"), Ok(1 << 30));
         assert_eq!(parse_size("1GiB"), Ok(1 << 30));

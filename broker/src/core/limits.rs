@@ -488,6 +488,23 @@ mod tests {
         assert!(buckets.take(&nobody(), t0).is_err());
     }
 
+    /// A user is a user of one tenant: the same name under another key or JWT tenant has
+    /// a budget of its own, and so do each tenant's unnamed callers.
+    #[test]
+    fn each_tenant_has_its_own_buckets() {
+        let buckets = TokenBuckets::new(6, 1);
+        let t0 = Instant::now();
+        let in_tenant =
+            |t: &str, user: Option<&str>| (Some(t.to_string()), user.map(str::to_string));
+        assert!(buckets.take(&in_tenant("t1", Some("alice")), t0).is_ok());
+        assert!(buckets.take(&in_tenant("t1", Some("alice")), t0).is_err());
+        assert!(buckets.take(&in_tenant("t2", Some("alice")), t0).is_ok());
+        assert!(buckets.take(&in_tenant("t1", None), t0).is_ok());
+        assert!(buckets.take(&in_tenant("t2", None), t0).is_ok());
+        // Names that would run together if joined do not meet.
+        assert!(buckets.take(&in_tenant("t1a", Some("lice")), t0).is_ok());
+    }
+
     #[test]
     fn waiting_the_time_told_is_enough() {
         let buckets = TokenBuckets::new(7, 1);

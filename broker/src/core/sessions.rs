@@ -279,6 +279,7 @@ impl Broker {
             .map_err(|e| Error::internal(format!("cannot save session: {e}")))?;
         let created = serde_json::json!({
             "user": user,
+            "tenant": session.meta.tenant,
             "session": session.id(),
             "entity_id": entity_id,
             "pooled": pooled.is_some(),

@@ -12,7 +12,7 @@ use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::render::output_json;
-use crate::session::visible;
+use crate::session::{same_tenant, visible, OwnerKey};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::routing::post;
@@ -83,16 +83,19 @@ pub(crate) struct Runs {
     used: DashMap<String, Instant>,
 }
 
-/// A run's request id, with the user it belongs to.
-type RequestKey = (Option<String>, String);
+/// A run's request id, with the tenant and user it belongs to.
+type RequestKey = (OwnerKey, String);
 
 /// One programmatic run.
 struct Run {
     /// The session it runs in.
     session_id: String,
-    /// The user its first request named; only they (or the key's whole scope) may
+    /// The user its first request named; only they (or their tenant's whole scope) may
     /// continue or cancel it.
     user: Option<String>,
+    /// The tenant of its first request: no caller of another tenant continues or cancels
+    /// it, whatever user it names.
+    tenant: Option<String>,
     /// Tool calls the code made and the client has not seen yet.
     calls: Mutex<Option<mpsc::UnboundedReceiver<ToolCall>>>,
     /// Where the client's results go.
@@ -175,6 +178,7 @@ async fn programmatic(
             let user = caller.user_or(body.user_id.as_deref());
             let run = continue_run(
                 &state,
+                caller.tenant.as_deref(),
                 user.as_deref(),
                 token,
                 body.tool_results.unwrap_or_default(),
@@ -182,10 +186,7 @@ async fn programmatic(
             // LibreChat names each continuation with a request id of its own, and cancels
             // by that id.
             if let Some(id) = request_id(&headers) {
-                state
-                    .runs
-                    .by_request
-                    .insert((run.user.clone(), id), run.clone());
+                state.runs.by_request.insert((run.owner(), id), run.clone());
             }
             run
         }
@@ -253,6 +254,7 @@ async fn start_run(
     let run = Arc::new(Run {
         session_id,
         user: choice.user.clone(),
+        tenant: choice.tenant.clone(),
         calls: Mutex::new(Some(calls_rx)),
         results: results_tx,
         pending: Mutex::new(HashSet::new()),
@@ -261,12 +263,16 @@ async fn start_run(
         window: Mutex::new(BATCH_WINDOW),
     });
     if let Some(id) = request_id {
-        state
-            .runs
-            .by_request
-            .insert((run.user.clone(), id), run.clone());
+        state.runs.by_request.insert((run.owner(), id), run.clone());
     }
     Ok(run)
+}
+
+impl Run {
+    /// Who it belongs to, as its request id is kept under.
+    fn owner(&self) -> OwnerKey {
+        (self.tenant.clone(), self.user.clone())
+    }
 }
 
 /// The request id a client names its request by (LibreChat's header, or the generic one).
@@ -282,11 +288,14 @@ fn request_id(headers: &HeaderMap) -> Option<String> {
 /// user's token is unknown to `user`, and stays usable by its owner.
 fn continue_run(
     state: &AppState,
+    tenant: Option<&str>,
     user: Option<&str>,
     token: String,
     results: Vec<ToolResultBody>,
 ) -> AppResult<Arc<Run>> {
-    let mine = |_: &String, run: &Arc<Run>| visible(user, run.user.as_deref());
+    let mine = |_: &String, run: &Arc<Run>| {
+        same_tenant(tenant, run.tenant.as_deref()) && visible(user, run.user.as_deref())
+    };
     let Some((_, run)) = state.runs.by_token.remove_if(&token, mine) else {
         if state.runs.by_token.contains_key(&token) {
             return Err(AppError::NotFound(
@@ -473,27 +482,31 @@ async fn cancel(
     ApiJson(body): ApiJson<CancelBody>,
 ) -> AppResult<Json<Value>> {
     let user = caller.user_or(body.user_id.as_deref());
+    let tenant = caller.tenant.clone();
     let not_found = || AppError::NotFound(format!("no run with request id {}", body.request_id));
     let run = match user {
         Some(user) => state
             .runs
             .by_request
-            .remove(&(Some(user), body.request_id.clone()))
+            .remove(&((tenant, Some(user)), body.request_id.clone()))
             .map(|(_, run)| run)
             .ok_or_else(not_found)?,
-        // The key's whole scope: its own run of that id if there is one, else the one run
-        // of that id whoever started it. Several users' runs under one id: which one is
-        // meant is unknown, so none.
+        // The tenant's whole scope: its own run of that id if there is one, else the one
+        // run of that id in the tenant whoever started it. Several users' runs under one
+        // id: which one is meant is unknown, so none.
         None => {
             let mut matching = state
                 .runs
                 .by_request
                 .iter()
-                .filter(|e| e.key().1 == body.request_id)
+                .filter(|e| {
+                    e.key().1 == body.request_id
+                        && same_tenant(tenant.as_deref(), e.key().0 .0.as_deref())
+                })
                 .map(|e| e.key().clone())
                 .collect::<Vec<_>>();
-            let key = if matching.iter().any(|(u, _)| u.is_none()) {
-                (None, body.request_id.clone())
+            let key = if matching.iter().any(|((_, u), _)| u.is_none()) {
+                ((tenant.clone(), None), body.request_id.clone())
             } else if matching.len() == 1 {
                 matching.remove(0)
             } else {
