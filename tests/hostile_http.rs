@@ -153,10 +153,10 @@ async fn unauthenticated_json_bodies_cost_the_broker_little() {
     })
     .await;
     let statuses = statuses.lock().expect("lock").clone();
-    // Refused: 401 once read, or 503 at once for the bodies past this address's half
-    // of the pre-auth budget.
+    // Refused: 401 once read, or 503 at once for bodies past this address's half of the
+    // pre-auth budget (read side by side, all six may pass it before any is done).
     assert!(
-        statuses.iter().all(|s| *s == 401 || *s == 503) && statuses.contains(&401),
+        statuses.iter().all(|s| *s == 401 || *s == 503),
         "every unauthenticated body is refused: {statuses:?}"
     );
     assert!(
