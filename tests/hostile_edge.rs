@@ -640,3 +640,26 @@ async fn basic_credentials_from_another_sites_page_are_refused() {
     let (status, text) = files_with(&broker, &[("authorization", basic(KEY))]).await;
     assert_eq!(status, 200, "{text}");
 }
+
+#[tokio::test]
+async fn requests_pipelined_behind_a_refused_one_are_not_read() {
+    let broker = start("edge-pipeline401", &[]).await;
+    let port = broker.port;
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut s = connect_from([127, 0, 0, 1], port, None);
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let request = b"GET /v1/files/AAAAAAAAAAAAAAAAAAAAA HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+        s.write_all(&request.repeat(50)).expect("write");
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all);
+        String::from_utf8_lossy(&all).matches("HTTP/1.1 ").count()
+    })
+    .await
+    .expect("client");
+    eprintln!("50 pipelined unauthenticated requests: {answers} answered before the close");
+    assert_eq!(answers, 1, "requests behind a 401 were read");
+    // A keyed call still works.
+    let (status, text) = files_with(&broker, &[("x-api-key", KEY.into())]).await;
+    assert_eq!(status, 200, "{text}");
+}
