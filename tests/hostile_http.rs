@@ -153,7 +153,12 @@ async fn unauthenticated_json_bodies_cost_the_broker_little() {
     })
     .await;
     let statuses = statuses.lock().expect("lock").clone();
-    assert_eq!(statuses, [401; 6], "every unauthenticated body is refused");
+    // Refused: 401 once read, or 503 at once for bodies past this address's half of the
+    // pre-auth budget (read side by side, all six may pass it before any is done).
+    assert!(
+        statuses.iter().all(|s| *s == 401 || *s == 503),
+        "every unauthenticated body is refused: {statuses:?}"
+    );
     assert!(
         growth < 64 * MIB,
         "six 14 MiB unauthenticated bodies grew the broker by {} MiB",
@@ -277,7 +282,16 @@ async fn a_slow_header_sender_is_cut_after_the_header_timeout() {
 
 #[tokio::test]
 async fn connections_over_the_cap_wait_and_cost_nothing() {
-    let broker = start("http-conncap", &[("CODEBROKER_MAX_CONNECTIONS", "16")]).await;
+    // Every connection comes from 127.0.0.1: the per-address cap is lifted to the total
+    // (tests/hostile_edge.rs tests it).
+    let broker = start(
+        "http-conncap",
+        &[
+            ("CODEBROKER_MAX_CONNECTIONS", "16"),
+            ("CODEBROKER_MAX_CONNECTIONS_PER_PEER", "16"),
+        ],
+    )
+    .await;
     let port = broker.port;
     let before = broker.status_bytes("VmRSS");
     // Sixteen connections that send part of a request and then nothing.
@@ -639,99 +653,6 @@ async fn health_shows_load_only_to_callers_with_credentials() {
         .expect("JSON");
     assert!(keyed["sessions"].is_number(), "{keyed}");
     assert!(keyed["pool"]["target"].is_number(), "{keyed}");
-}
-
-#[tokio::test]
-async fn unauthenticated_reads_over_the_budget_wait_then_get_503() {
-    common::require_image();
-    let broker = start(
-        "http-budget",
-        &[
-            ("CODEBROKER_PREAUTH_BODY_BUDGET", "1MiB"),
-            ("CODEBROKER_HEADER_READ_TIMEOUT_SECS", "2"),
-        ],
-    )
-    .await;
-    // A client that announces 1 MiB without a credential and sends only part of it holds
-    // the whole budget until its body times out; a second one queues behind it.
-    let hold = || {
-        let mut s = TcpStream::connect(("127.0.0.1", broker.port)).expect("connect");
-        let head = format!(
-            "POST /exec HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n[",
-            MIB
-        );
-        s.write_all(head.as_bytes()).expect("head");
-        s
-    };
-    // The second comes a second later, so it is still waiting (its wait is the timeout)
-    // when the first's body times out, however late that is noticed on a busy host; it
-    // then holds the budget for a whole timeout, past the body-key call's wait.
-    let first = hold();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let second = hold();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let client = reqwest::Client::new();
-    let body_key =
-        json!({ "lang": "bash", "code": "echo body-key", "LIBRECHAT_CODE_API_KEY": KEY });
-    let started = Instant::now();
-    let waited = client
-        .post(broker.url("/exec"))
-        .json(&body_key)
-        .send()
-        .await
-        .expect("POST /exec");
-    assert_eq!(waited.status(), 503);
-    assert!(
-        started.elapsed() >= Duration::from_secs(1),
-        "{:?}",
-        started.elapsed()
-    );
-    // The slow body is cut after the timeout.
-    let cut = tokio::task::spawn_blocking(move || {
-        let mut first = first;
-        first
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .expect("timeout");
-        let mut buf = [0u8; 512];
-        match first.read(&mut buf) {
-            Ok(n) => String::from_utf8_lossy(&buf[..n]).to_string(),
-            // A reset is a cut too; a read that times out is not.
-            Err(err) => {
-                assert!(
-                    !matches!(
-                        err.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ),
-                    "the slow body was not cut: {err}"
-                );
-                String::new()
-            }
-        }
-    })
-    .await
-    .expect("read");
-    assert!(cut.is_empty() || cut.starts_with("HTTP/1.1 400"), "{cut:?}");
-    // Header credentials need no budget.
-    exec_with_key(&broker, &client).await;
-    // Once the holders are gone, the body key works again.
-    drop(second);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let resp = client
-            .post(broker.url("/exec"))
-            .json(&body_key)
-            .send()
-            .await
-            .expect("POST /exec");
-        if resp.status() == 200 {
-            let out: Value = resp.json().await.expect("JSON");
-            assert_eq!(out["stdout"], "body-key\n", "{out}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "{}", resp.status());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 #[tokio::test]

@@ -119,13 +119,26 @@ pub struct Config {
 
     /// Seconds a client has to send a request's headers (and, without a credential header,
     /// its body); an idle keep-alive connection is closed after the same time. A response
-    /// under way (a long exec, a stream) is never cut.
+    /// under way (a long exec, a stream) is not cut by it.
     #[arg(
         long,
         env = "CODEBROKER_HEADER_READ_TIMEOUT_SECS",
         default_value_t = 20
     )]
     pub header_read_timeout_secs: u64,
+
+    /// Seconds an answer may wait for the client to read any of it; then the connection is
+    /// reset. A client that sends requests and never reads the answers would otherwise
+    /// hold its connection forever. Only a blocked write counts: a long exec or a quiet
+    /// stream, with nothing waiting to be sent, is never cut. Also the connections'
+    /// TCP_USER_TIMEOUT: a peer that stopped acknowledging is dropped after as long.
+    #[arg(
+        long,
+        env = "CODEBROKER_WRITE_TIMEOUT_SECS",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_MILLIS / 1000)
+    )]
+    pub write_timeout_secs: u64,
 
     /// Most files one exec reports as generated; the rest are named in stderr.
     #[arg(long, env = "CODEBROKER_MAX_OUTPUT_FILES", default_value_t = 50)]
@@ -555,6 +568,13 @@ pub struct Caps {
     /// Streams (`/exec/stream`, `/mcp`) hold one each while open.
     #[arg(long, env = "CODEBROKER_MAX_CONNECTIONS", default_value_t = 512)]
     pub max_connections: usize,
+
+    /// HTTP connections one client address may hold at once (0: half of
+    /// CODEBROKER_MAX_CONNECTIONS), so one client cannot take them all. Over it a
+    /// connection gets 503 and is closed. Behind a reverse proxy every client has the
+    /// proxy's address: set it to CODEBROKER_MAX_CONNECTIONS there.
+    #[arg(long, env = "CODEBROKER_MAX_CONNECTIONS_PER_PEER", default_value_t = 0)]
+    pub max_connections_per_peer: usize,
 
     /// Request bytes the broker reads at once from callers that sent no credential header,
     /// looking for LibreChat 0.8.5's key in the JSON body (CODEBROKER_BODY_API_KEY), as for
@@ -1018,6 +1038,14 @@ impl Config {
             longest = longest.max(self.code_mode.codemode_timeout_ms);
         }
         longest
+    }
+
+    /// Connections one client address may hold: the setting, or half of all of them.
+    pub(crate) fn connections_per_peer(&self) -> usize {
+        match self.caps.max_connections_per_peer {
+            0 => self.caps.max_connections.div_ceil(2).max(1),
+            n => n.min(self.caps.max_connections.max(1)),
+        }
     }
 
     /// Checks settings that clap cannot check on its own.

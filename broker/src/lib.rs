@@ -126,12 +126,26 @@ pub async fn run(
     jwt.log_loaded();
     let mut state = http::AppState::new(broker.clone(), jwt);
     state.shutdown = stop.child_token();
+    // The last burst of authentication failures is summed up even if none follows it.
+    let failures = state.auth_failures.clone();
+    let failures_stop = stop.child_token();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => failures.flush(),
+                () = failures_stop.cancelled() => break,
+            }
+        }
+    });
     let mcp = mcp::router(&state);
     let app = http::router(state, mcp);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let limits = http::server::ServeLimits {
         max_connections: broker.config.caps.max_connections,
+        max_connections_per_peer: broker.config.connections_per_peer(),
         header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
+        write_timeout: Duration::from_secs(broker.config.write_timeout_secs.max(1)),
     };
     let signalled = stop.clone();
     let served = http::server::serve(listener, app, limits, async move {

@@ -76,6 +76,8 @@ pub(crate) struct Metrics {
     download_bytes: Counter,
     /// Requests refused with 429 (rate or capacity limits).
     rate_limited: Counter,
+    /// Requests refused with 401: a flood of bad credentials shows here, not in the log.
+    auth_failures: Counter,
     /// Session sandboxes removed by the eviction rules, by reason: how the cap and the
     /// TTLs keep idle containers bounded.
     sandboxes_removed: Family<ReasonLabels, Counter>,
@@ -101,6 +103,7 @@ impl Metrics {
         let upload_bytes = Counter::default();
         let download_bytes = Counter::default();
         let rate_limited = Counter::default();
+        let auth_failures = Counter::default();
         let sandboxes_removed = Family::<ReasonLabels, Counter>::default();
         let compile_cache = Family::<CacheLabels, Counter>::default();
         registry.register("sessions", "Sessions known", sessions.clone());
@@ -142,6 +145,11 @@ impl Metrics {
             rate_limited.clone(),
         );
         registry.register(
+            "auth_failures",
+            "Requests refused with 401 (missing or invalid credentials)",
+            auth_failures.clone(),
+        );
+        registry.register(
             "sandboxes_removed",
             "Session sandboxes removed by reason (idle, single_use, over_cap)",
             sandboxes_removed.clone(),
@@ -162,6 +170,7 @@ impl Metrics {
             upload_bytes,
             download_bytes,
             rate_limited,
+            auth_failures,
             sandboxes_removed,
             compile_cache,
             docker_errors,
@@ -236,6 +245,11 @@ impl Metrics {
     /// Counts one 429.
     pub(crate) fn rate_limited(&self) {
         self.rate_limited.inc();
+    }
+
+    /// Counts one 401.
+    pub(crate) fn auth_failed(&self) {
+        self.auth_failures.inc();
     }
 }
 

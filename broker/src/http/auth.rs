@@ -24,7 +24,11 @@ use bytes::BytesMut;
 use http_body_util::BodyExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use std::time::Duration;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Put in the request's extensions by [`require_auth`] when a JWT authenticated it: the
 /// token's `sub`, which the [`Caller`] extractor then takes over anything the request says.
@@ -146,7 +150,7 @@ pub(crate) async fn require_auth(
     body_key_auth(&state, request, next).await
 }
 
-/// Bytes per permit of [`AppState::preauth_budget`](crate::http::AppState).
+/// Bytes per permit of [`PreauthBudget`].
 pub(crate) const BUDGET_UNIT: u64 = 1024;
 
 /// What the body-key path reads of a JSON body: only the key. Every other field is
@@ -159,9 +163,134 @@ struct BodyKey {
     key: Option<String>,
 }
 
+/// The bytes of unauthenticated request bodies the broker holds at once
+/// (CODEBROKER_PREAUTH_BODY_BUDGET), reserved as they arrive: a body announced but not
+/// sent holds nothing. One peer address may hold at most half of it, so one client's
+/// stalled bodies cannot lock out every body-key caller.
+pub(crate) struct PreauthBudget {
+    /// The whole budget, in [`BUDGET_UNIT`]s.
+    units: Arc<Semaphore>,
+    /// Most units one peer address may hold.
+    per_peer: u32,
+    /// Units held per peer address; an address leaves the map when it holds none.
+    held: Mutex<HashMap<IpAddr, u32>>,
+}
+
+/// Why a [`Reservation`] could not grow.
+#[derive(Debug, PartialEq, Eq)]
+enum Shortfall {
+    /// The peer holds its share already.
+    Peer,
+    /// No room came free in time.
+    Budget,
+}
+
+/// The part of a [`PreauthBudget`] one request holds; given back on drop.
+struct Reservation {
+    /// The budget it came from.
+    budget: Arc<PreauthBudget>,
+    /// Units taken from the whole budget.
+    permit: Option<OwnedSemaphorePermit>,
+    /// Whose share the units count against (`None`: a request with no peer address,
+    /// served outside the accept loop).
+    peer: Option<IpAddr>,
+    /// Units held.
+    units: u32,
+}
+
+impl PreauthBudget {
+    /// A budget of `bytes`, rounded up to whole units (a budget that is not a whole number
+    /// of units still holds a body of its full size).
+    pub(crate) fn new(bytes: u64) -> PreauthBudget {
+        let units = bytes.max(BUDGET_UNIT).div_ceil(BUDGET_UNIT);
+        let units = u32::try_from(units)
+            .unwrap_or(u32::MAX)
+            .min(u32::try_from(Semaphore::MAX_PERMITS).unwrap_or(u32::MAX));
+        PreauthBudget {
+            units: Arc::new(Semaphore::new(units as usize)),
+            per_peer: units.div_ceil(2),
+            held: Mutex::default(),
+        }
+    }
+
+    /// An empty reservation for a request from `peer`.
+    fn reserve(self: &Arc<Self>, peer: Option<IpAddr>) -> Reservation {
+        Reservation {
+            budget: self.clone(),
+            permit: None,
+            peer: peer.map(|ip| ip.to_canonical()),
+            units: 0,
+        }
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, u32>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Reservation {
+    /// Grows the reservation to cover `bytes`, waiting until `deadline` for room in the
+    /// whole budget; the peer's share is checked at once.
+    async fn cover(&mut self, bytes: u64, deadline: tokio::time::Instant) -> Result<(), Shortfall> {
+        let needed = u32::try_from(bytes.div_ceil(BUDGET_UNIT)).unwrap_or(u32::MAX);
+        let more = needed.saturating_sub(self.units);
+        if more == 0 {
+            return Ok(());
+        }
+        if let Some(peer) = self.peer {
+            let mut held = self.budget.held();
+            let mine = held.entry(peer).or_insert(0);
+            if mine.saturating_add(more) > self.budget.per_peer {
+                if *mine == 0 {
+                    held.remove(&peer);
+                }
+                return Err(Shortfall::Peer);
+            }
+            // Counted before the wait, so two requests of one peer cannot both pass.
+            *mine += more;
+        }
+        let acquired =
+            tokio::time::timeout_at(deadline, self.budget.units.clone().acquire_many_owned(more))
+                .await;
+        match acquired {
+            Ok(Ok(permit)) => {
+                match self.permit.as_mut() {
+                    Some(held) => held.merge(permit),
+                    None => self.permit = Some(permit),
+                }
+                self.units += more;
+                Ok(())
+            }
+            _ => {
+                self.uncount(more);
+                Err(Shortfall::Budget)
+            }
+        }
+    }
+
+    /// Takes `units` off the peer's count.
+    fn uncount(&self, units: u32) {
+        let Some(peer) = self.peer else { return };
+        let mut held = self.budget.held();
+        if let Some(mine) = held.get_mut(&peer) {
+            *mine = mine.saturating_sub(units);
+            if *mine == 0 {
+                held.remove(&peer);
+            }
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.uncount(self.units);
+    }
+}
+
 /// No credential header: the key may be in a JSON body (LibreChat 0.8.5). The body is read
-/// once, within the pre-auth byte budget shared by all such requests, scanned for the key
-/// without building a tree, and handed on unchanged.
+/// once, within the pre-auth byte budget shared by all such requests (reserved as bytes
+/// arrive, half of it at most per peer), scanned for the key without building a tree, and
+/// handed on unchanged.
 async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Response {
     let config = &state.broker.config;
     let is_json = request
@@ -174,49 +303,51 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
     }
     let limit = config.caps.max_body_mb as u64 * 1024 * 1024;
     let budget = config.caps.preauth_body_budget.max(BUDGET_UNIT);
+    let limit = limit.min(budget);
     let too_large = || {
-        AppError::PayloadTooLarge(format!(
-            "request body over {} MiB",
-            limit.min(budget) / (1024 * 1024)
-        ))
-        .into_response()
+        AppError::PayloadTooLarge(format!("request body over {} MiB", limit / (1024 * 1024)))
+            .into_response()
     };
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
-    // Room for the whole body is taken before a byte is read: a body of unknown length
-    // takes the most it may be.
-    let reserve = declared.unwrap_or(limit).min(limit).min(budget);
-    if declared.is_some_and(|n| n > reserve) {
+    if declared.is_some_and(|n| n > limit) {
         return too_large();
     }
-    let units = u32::try_from(reserve.div_ceil(BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
-    let wait = Duration::from_secs(config.header_read_timeout_secs.max(1));
-    let permit =
-        match tokio::time::timeout(wait, state.preauth_budget.clone().acquire_many_owned(units))
-            .await
-        {
-            Ok(Ok(permit)) => permit,
-            _ => {
-                return AppError::Unavailable(
-                    "too many requests without a credential header are being read; retry shortly"
-                        .into(),
-                )
-                .into_response()
-            }
-        };
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    // The body has the header timeout to arrive, room in the budget included.
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(config.header_read_timeout_secs.max(1));
     let (parts, body) = request.into_parts();
-    let capacity = declared.unwrap_or(0).min(reserve) as usize;
-    let bytes = match tokio::time::timeout(wait, read_bounded(body, reserve, capacity)).await {
-        Ok(Ok(Some(bytes))) => bytes,
-        Ok(Ok(None)) => return too_large(),
-        Ok(Err(err)) => {
+    let mut reservation = state.preauth_budget.reserve(peer);
+    let bytes = match read_reserved(body, limit, &mut reservation, deadline).await {
+        Ok(bytes) => bytes,
+        Err(BodyRead::TooLarge) => return too_large(),
+        Err(BodyRead::Short(Shortfall::Peer)) => {
+            return AppError::Unavailable(
+                "too many request bodies without a credential header are being read from \
+                 this address; send the key in a header, or retry shortly"
+                    .into(),
+            )
+            .into_response()
+        }
+        Err(BodyRead::Short(Shortfall::Budget)) => {
+            return AppError::Unavailable(
+                "too many requests without a credential header are being read; retry shortly"
+                    .into(),
+            )
+            .into_response()
+        }
+        Err(BodyRead::Failed(err)) => {
             return AppError::BadRequest(format!("cannot read the request body: {err}"))
                 .into_response()
         }
-        Err(_) => {
+        Err(BodyRead::Late) => {
             return AppError::BadRequest("the request body did not arrive in time".into())
                 .into_response()
         }
@@ -225,13 +356,56 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
     match tenant {
         Some(tenant) => {
             // Authenticated now: the budget is for reading unauthenticated bytes.
-            drop(permit);
+            drop(reservation);
             let mut request = Request::from_parts(parts, Body::from(bytes));
             request.extensions_mut().insert(tenant);
             next.run(request).await
         }
         None => AppError::Unauthorized.into_response(),
     }
+}
+
+/// Why an unauthenticated body was not read whole.
+enum BodyRead {
+    /// Over the limit.
+    TooLarge,
+    /// The budget had no room for the next bytes.
+    Short(Shortfall),
+    /// The connection failed.
+    Failed(axum::Error),
+    /// It was not all there by the deadline.
+    Late,
+}
+
+/// The whole body in one buffer by `deadline`, each chunk covered by `reservation` before
+/// it is kept; an error past `limit` bytes.
+async fn read_reserved(
+    mut body: Body,
+    limit: u64,
+    reservation: &mut Reservation,
+    deadline: tokio::time::Instant,
+) -> Result<Bytes, BodyRead> {
+    let mut buf = BytesMut::new();
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(_) => return Err(BodyRead::Late),
+        };
+        let Ok(data) = frame.map_err(BodyRead::Failed)?.into_data() else {
+            continue;
+        };
+        let total = (buf.len() + data.len()) as u64;
+        if total > limit {
+            return Err(BodyRead::TooLarge);
+        }
+        reservation
+            .cover(total, deadline)
+            .await
+            .map_err(BodyRead::Short)?;
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
 }
 
 /// The `LIBRECHAT_CODE_API_KEY` of a JSON object, read without building a tree.
@@ -241,25 +415,6 @@ fn key_in_body(bytes: &[u8]) -> Option<String> {
         return None;
     }
     serde_json::from_slice::<BodyKey>(bytes).ok()?.key
-}
-
-/// The whole body in one buffer, or `None` past `limit` bytes.
-async fn read_bounded(
-    mut body: Body,
-    limit: u64,
-    capacity: usize,
-) -> Result<Option<Bytes>, axum::Error> {
-    let mut buf = BytesMut::with_capacity(capacity);
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue;
-        };
-        if (buf.len() + data.len()) as u64 > limit {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&data);
-    }
-    Ok(Some(buf.freeze()))
 }
 
 /// Whether the request's headers carry valid credentials (or auth is off): what a public
@@ -296,7 +451,7 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
                     Ok(HeaderAuth::Jwt(verified.user, tenant))
                 }
                 Err(reason) => {
-                    tracing::info!(%reason, "JWT rejected");
+                    state.auth_failures.failed("JWT rejected", &reason);
                     Err(AppError::Unauthorized)
                 }
             };
@@ -313,6 +468,105 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
         Some(Ok(credentials)) => basic_key(config, &credentials)
             .map(HeaderAuth::Key)
             .map_err(AppError::BadBasicCredentials),
+    }
+}
+
+/// Authentication failures logged per second at most; the others are counted and summed
+/// up in one line when the next second starts (and by [`FailureLog::flush`]).
+pub(crate) const LOGGED_FAILURES_PER_SEC: u32 = 5;
+
+/// Longest piece of client-supplied text (a `kid`, a user name, a header value) a log line
+/// carries, in bytes.
+pub(crate) const MAX_LOGGED_TEXT: usize = 64;
+
+/// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.
+pub(crate) fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end]).into()
+}
+
+/// The log of authentication failures: at most [`LOGGED_FAILURES_PER_SEC`] lines a second
+/// plus one line counting the rest, so a flood of bad credentials costs the log a few
+/// lines a second however fast it comes (the metric counts every one).
+#[derive(Default)]
+pub(crate) struct FailureLog {
+    /// The current one-second window.
+    window: Mutex<FailureWindow>,
+}
+
+/// One second of [`FailureLog`].
+#[derive(Default)]
+struct FailureWindow {
+    /// When it started; `None` before the first failure.
+    started: Option<Instant>,
+    /// Lines logged in it.
+    logged: u32,
+    /// Failures not logged since the last summary.
+    unlogged: u64,
+}
+
+impl FailureLog {
+    /// Logs a failure (`what`, and why: client text in it is cut to a few times
+    /// [`MAX_LOGGED_TEXT`]) unless this second's lines are used up.
+    pub(crate) fn failed(&self, what: &str, reason: &str) {
+        let (summary, log) = {
+            let mut window = self.window.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let summary = window.roll(now);
+            let log = window.logged < LOGGED_FAILURES_PER_SEC;
+            if log {
+                window.logged += 1;
+            } else {
+                window.unlogged += 1;
+            }
+            (summary, log)
+        };
+        report_unlogged(summary);
+        if log {
+            tracing::info!(reason = %clip(reason, 3 * MAX_LOGGED_TEXT), "{what}");
+        }
+    }
+
+    /// Logs the count of failures not logged, once their second is over; for a timer, so
+    /// the last burst is reported even when no failure follows it.
+    pub(crate) fn flush(&self) {
+        let summary = self
+            .window
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .roll(Instant::now());
+        report_unlogged(summary);
+    }
+}
+
+impl FailureWindow {
+    /// Starts a new window when the current one is over; the failures it did not log.
+    fn roll(&mut self, now: Instant) -> u64 {
+        let over = self
+            .started
+            .is_none_or(|started| now.duration_since(started) >= Duration::from_secs(1));
+        if !over {
+            return 0;
+        }
+        self.started = Some(now);
+        self.logged = 0;
+        std::mem::take(&mut self.unlogged)
+    }
+}
+
+/// The line that sums up failures not logged one by one.
+fn report_unlogged(count: u64) {
+    if count > 0 {
+        tracing::info!(
+            count,
+            "{count} more authentication failures not logged (at most {LOGGED_FAILURES_PER_SEC} a second)"
+        );
     }
 }
 
@@ -754,6 +1008,74 @@ mod tests {
         assert_eq!(key("[0,0,0]"), None);
         assert_eq!(key(r#"{"LIBRECHAT_CODE_API_KEY":5}"#), None);
         assert_eq!(key("{not json"), None);
+    }
+
+    #[tokio::test]
+    async fn the_unauthenticated_budget_is_taken_as_bytes_arrive_and_halved_per_peer() {
+        let budget = Arc::new(PreauthBudget::new(4 * BUDGET_UNIT));
+        let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
+            "10.0.0.1".parse().expect("ip"),
+            "10.0.0.2".parse().expect("ip"),
+            "10.0.0.3".parse().expect("ip"),
+        );
+        let soon = || tokio::time::Instant::now() + Duration::from_millis(200);
+        // Nothing is held before bytes arrive.
+        let mut first = budget.reserve(Some(a));
+        assert_eq!(budget.units.available_permits(), 4);
+        first.cover(1, soon()).await.expect("one byte");
+        first
+            .cover(BUDGET_UNIT, soon())
+            .await
+            .expect("still one unit");
+        assert_eq!(budget.units.available_permits(), 3);
+        // A peer holds at most half, across its requests; the check does not wait.
+        first.cover(2 * BUDGET_UNIT, soon()).await.expect("half");
+        let mut again = budget.reserve(Some(a));
+        let started = std::time::Instant::now();
+        assert_eq!(again.cover(1, soon()).await, Err(Shortfall::Peer));
+        assert!(started.elapsed() < Duration::from_millis(100));
+        // Another peer takes the other half; a third waits, then is refused.
+        let mut other = budget.reserve(Some(b));
+        other
+            .cover(2 * BUDGET_UNIT, soon())
+            .await
+            .expect("the other half");
+        let mut third = budget.reserve(Some(c));
+        let started = std::time::Instant::now();
+        assert_eq!(third.cover(1, soon()).await, Err(Shortfall::Budget));
+        assert!(started.elapsed() >= Duration::from_millis(150));
+        // Room comes back when a request ends, and the peer counts with it.
+        drop(first);
+        third.cover(1, soon()).await.expect("room again");
+        again
+            .cover(1, soon())
+            .await
+            .expect("the peer's share is free again");
+        drop((again, other, third));
+        assert_eq!(budget.units.available_permits(), 4);
+        assert!(budget.held().is_empty(), "no peer left counted");
+    }
+
+    #[test]
+    fn client_text_is_clipped_on_a_character_boundary() {
+        assert_eq!(clip("short", 64), "short");
+        let long = "é".repeat(100);
+        let clipped = clip(&long, MAX_LOGGED_TEXT);
+        assert!(clipped.len() <= MAX_LOGGED_TEXT + '…'.len_utf8());
+        assert!(clipped.ends_with('…'));
+    }
+
+    #[test]
+    fn failures_past_the_rate_are_counted_not_logged() {
+        let mut window = FailureWindow::default();
+        let start = Instant::now();
+        assert_eq!(window.roll(start), 0, "the first failure opens a window");
+        window.logged = LOGGED_FAILURES_PER_SEC;
+        window.unlogged = 1995;
+        assert_eq!(window.roll(start + Duration::from_millis(500)), 0);
+        assert_eq!(window.roll(start + Duration::from_secs(1)), 1995);
+        assert_eq!(window.logged, 0);
+        assert_eq!(window.roll(start + Duration::from_secs(3)), 0);
     }
 
     #[test]

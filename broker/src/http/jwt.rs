@@ -149,7 +149,12 @@ impl JwtKeys {
             named
         };
         if candidates.is_empty() {
-            return Err(format!("unknown kid {:?}", header.kid.unwrap_or_default()));
+            // The kid is the client's text, and this reason goes to the log.
+            let kid = header.kid.unwrap_or_default();
+            return Err(format!(
+                "unknown kid {:?}",
+                crate::http::auth::clip(&kid, crate::http::auth::MAX_LOGGED_TEXT)
+            ));
         }
         let mut last_error = format!("alg {:?} is not configured for that key", header.alg);
         for key in candidates.into_iter().filter(|k| k.alg == header.alg) {
@@ -188,21 +193,22 @@ fn check_claims(claims: Claims, now: u64) -> Result<Verified, String> {
                     "lifetime {lifetime} s is over {MAX_LIFETIME_SECS} s"
                 ));
             }
-            if iat > now + LEEWAY_SECS {
+            if iat > now.saturating_add(LEEWAY_SECS) {
                 return Err(format!("issued {} s in the future", iat - now));
             }
             // The leeway on `exp` is for clock skew, not for more life: a token is never
             // accepted more than the bound after it was issued.
-            if now > iat + MAX_LIFETIME_SECS {
+            if now > iat.saturating_add(MAX_LIFETIME_SECS) {
                 return Err(format!(
                     "issued {} s ago, over {MAX_LIFETIME_SECS} s",
                     now - iat
                 ));
             }
         }
-        // Without `iat`, the window from now to `exp` plus its leeway is the bound.
+        // Without `iat`, the window from now to `exp` plus its leeway is the bound. The sums
+        // saturate: a signed `exp` near `u64::MAX` must not wrap round into the window.
         None => {
-            if claims.exp + LEEWAY_SECS > now + MAX_LIFETIME_SECS {
+            if claims.exp.saturating_add(LEEWAY_SECS) > now.saturating_add(MAX_LIFETIME_SECS) {
                 return Err(format!(
                     "expires {} s from now, over {} s without iat",
                     claims.exp.saturating_sub(now),
@@ -546,6 +552,30 @@ mod tests {
         assert!(keys.verify(&ed(&c)).is_err());
         c["exp"] = json!(now + 260);
         assert!(keys.verify(&ed(&c)).is_ok());
+    }
+
+    #[test]
+    fn an_exp_near_the_end_of_time_is_refused() {
+        let keys = trusted();
+        for exp in [u64::MAX, u64::MAX - LEEWAY_SECS + 1, u64::MAX - 1] {
+            let mut c = claims("u");
+            remove(&mut c, "iat");
+            c["exp"] = json!(exp);
+            let err = keys
+                .verify(&ed(&c))
+                .expect_err("exp near u64::MAX without iat");
+            assert!(err.contains("without iat"), "{exp}: {err}");
+        }
+        // With an `iat` the lifetime rule refuses it.
+        let mut c = claims("u");
+        c["exp"] = json!(u64::MAX);
+        let err = keys.verify(&ed(&c)).expect_err("exp near u64::MAX");
+        assert!(err.contains("lifetime"), "{err}");
+        // An `iat` near the end of time is in the future.
+        let mut c = claims("u");
+        c["iat"] = json!(u64::MAX - 10);
+        c["exp"] = json!(u64::MAX);
+        assert!(keys.verify(&ed(&c)).is_err());
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub(crate) mod server;
 
 use crate::config::AuthMode;
 use crate::core::Broker;
-use crate::http::auth::{require_auth, BUDGET_UNIT};
+use crate::http::auth::{require_auth, FailureLog, PreauthBudget};
 use crate::http::error::AppError;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
@@ -36,9 +36,12 @@ pub(crate) struct AppState {
     /// Cancelled when the server stops: ends open MCP streams, which would otherwise hold
     /// up the graceful shutdown.
     pub(crate) shutdown: tokio_util::sync::CancellationToken,
-    /// Bytes (in [`BUDGET_UNIT`]s) of request bodies being read before their caller is
-    /// known (the body-key path): CODEBROKER_PREAUTH_BODY_BUDGET.
-    pub(crate) preauth_budget: Arc<tokio::sync::Semaphore>,
+    /// Bytes of request bodies being read before their caller is known (the body-key
+    /// path): CODEBROKER_PREAUTH_BODY_BUDGET, shared by all and capped per peer.
+    pub(crate) preauth_budget: Arc<PreauthBudget>,
+    /// Authentication failures, logged a few a second at most: a flood of bad
+    /// credentials cannot fill the disk the log is on.
+    pub(crate) auth_failures: Arc<FailureLog>,
     /// The last Docker probe of `/health`, so a flood of health checks is not a flood of
     /// Docker calls.
     pub(crate) health: Arc<health::HealthCache>,
@@ -48,20 +51,11 @@ pub(crate) struct AppState {
 
 impl AppState {
     pub(crate) fn new(broker: Arc<Broker>, jwt: jwt::JwtKeys) -> AppState {
-        // Rounded up, as each request's reservation is: a budget that is not a whole
-        // number of units still holds a body of its full size.
-        let units = broker
-            .config
-            .caps
-            .preauth_body_budget
-            .max(BUDGET_UNIT)
-            .div_ceil(BUDGET_UNIT);
-        let units = usize::try_from(units)
-            .unwrap_or(usize::MAX)
-            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        let preauth_budget = Arc::new(PreauthBudget::new(broker.config.caps.preauth_body_budget));
         AppState {
             broker,
-            preauth_budget: Arc::new(tokio::sync::Semaphore::new(units)),
+            preauth_budget,
+            auth_failures: Arc::default(),
             health: Arc::default(),
             runs: Arc::default(),
             shutdown: tokio_util::sync::CancellationToken::new(),
@@ -105,6 +99,13 @@ pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
             require_known_host,
         ));
     }
+    // Under any auth mode: a browser that once sent a key as Basic credentials resends
+    // them to the broker from any page, so they count only from the broker's own pages.
+    let known = Arc::new(allowed_hosts(&config.mcp_allowed_hosts, &config.public_url));
+    app = app.layer(axum::middleware::from_fn_with_state(
+        known,
+        refuse_cross_site_credentials,
+    ));
     app.layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
@@ -114,15 +115,80 @@ pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Counts the 429s every route answers (rate and capacity limits) for `/metrics`.
+/// Counts the 429s every route answers (rate and capacity limits) and the authentication
+/// failures (401) for `/metrics`. A 401 also closes the connection: requests a client
+/// pipelined behind a refused one are never read.
 async fn count_refusals(
     State(state): State<AppState>,
-    response: axum::response::Response,
+    mut response: axum::response::Response,
 ) -> axum::response::Response {
-    if response.status() == axum::http::StatusCode::TOO_MANY_REQUESTS {
-        state.broker.metrics.rate_limited();
+    match response.status() {
+        axum::http::StatusCode::TOO_MANY_REQUESTS => state.broker.metrics.rate_limited(),
+        axum::http::StatusCode::UNAUTHORIZED => {
+            state.broker.metrics.auth_failed();
+            response.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        _ => {}
     }
     response
+}
+
+/// Refuses (403) HTTP Basic credentials on a request a browser sent from a page of another
+/// site: `Sec-Fetch-Site: cross-site`, or an `Origin` that is neither the request's `Host`
+/// nor a known host (CODEBROKER_MCP_ALLOWED_HOSTS, CODEBROKER_PUBLIC_URL). A browser
+/// caches Basic credentials per origin and sends them with any page's form or `fetch`
+/// that needs no preflight (a multipart upload, a `text/plain` post); the header keys and
+/// tokens need a preflight, which the broker never grants. Servers (LibreChat) send
+/// neither header, and the playground's own requests are same-origin.
+async fn refuse_cross_site_credentials(
+    State(known): State<Arc<Option<Vec<String>>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let basic = headers.get(header::AUTHORIZATION).is_some_and(|v| {
+        v.as_bytes().len() >= 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic ")
+    });
+    if !basic {
+        return next.run(request).await;
+    }
+    let cross_site = headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"));
+    let host = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let foreign_origin = headers.get(header::ORIGIN).is_some_and(|origin| {
+        let authority = origin_authority(origin.to_str().unwrap_or(""));
+        let own = [host.to_string()];
+        !(host_allowed(authority, &own)
+            || known
+                .as_deref()
+                .is_some_and(|hosts| host_allowed(authority, hosts)))
+    });
+    if cross_site || foreign_origin {
+        return AppError::Forbidden(
+            "HTTP Basic credentials are not accepted from another site's page; send the key \
+             in the X-API-Key header from a server"
+                .into(),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// The `host[:port]` of an `Origin` value (`null` and other opaque origins: empty).
+fn origin_authority(origin: &str) -> &str {
+    origin
+        .split_once("://")
+        .map_or("", |(_, rest)| rest)
+        .split('/')
+        .next()
+        .unwrap_or("")
 }
 
 /// The `Host` values to accept: the configured ones plus the public URL's host; `None`
@@ -174,13 +240,7 @@ async fn require_known_host(
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = origin.to_str().unwrap_or("");
-        let authority = origin
-            .split_once("://")
-            .map_or("", |(_, rest)| rest)
-            .split('/')
-            .next()
-            .unwrap_or("");
-        if !host_allowed(authority, hosts) {
+        if !host_allowed(origin_authority(origin), hosts) {
             return AppError::Forbidden(format!(
                 "requests from pages of {origin:?} are not served; add its host to \
                  CODEBROKER_MCP_ALLOWED_HOSTS"

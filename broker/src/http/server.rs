@@ -2,43 +2,78 @@
 //!
 //! - A cap on open connections: over it the broker stops accepting, so further clients wait
 //!   in the kernel's listen backlog (they cost the broker nothing) until one closes.
+//! - A cap on connections per peer address: one client cannot take every slot. Its excess
+//!   connections get a 503 and are closed at once, without taking a slot.
 //! - A header-read timeout: a client must send a whole request head within
 //!   `CODEBROKER_HEADER_READ_TIMEOUT_SECS` of the connection being ready for one. hyper
 //!   starts the same timer when a keep-alive connection goes idle, so it is also the idle
-//!   timeout; a response being sent (a long exec, an SSE stream, an MCP stream) is never cut.
+//!   timeout.
+//! - A write-progress timeout ([`WriteDeadline`]): a connection whose answer the client
+//!   has not read a byte of for `CODEBROKER_WRITE_TIMEOUT_SECS` is reset. hyper's header
+//!   timer is not armed while a write is pending, so without it a client that pipelines
+//!   requests and never reads would hold its slot forever. A response that is merely slow
+//!   to produce (a long exec, a quiet stream) has nothing pending and is never cut.
+//! - `TCP_USER_TIMEOUT`, so a peer that vanished does not hold a slot for the kernel's
+//!   15-minute retransmission limit.
 //! - A bound on the buffered request head ([`MAX_HEAD_BYTES`]).
+//!
+//! Pipelined requests are handled one at a time per connection (HTTP/1), with at most
+//! [`MAX_HEAD_BYTES`] of them read ahead and as much of their answers buffered: a client
+//! that does not read its answers stops having its requests read, and then is cut by the
+//! write-progress timeout. An authentication failure also closes the connection
+//! (`Connection: close`), so requests pipelined behind it are never read.
 //!
 //! HTTP/2 is not served: its streams would have no header-read timeout, and no client of
 //! the broker speaks cleartext HTTP/2.
 
+use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::sync::Arc;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tower::ServiceExt as _;
 
 /// Largest request head (request line and headers) a connection may buffer. JWTs and keys
 /// are a few KiB; hyper's default would let every open connection hold about 400 KiB.
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// The answer a peer over its connection cap gets before its connection is closed: it
+/// fits any socket's send buffer, so it is written without waiting.
+const PEER_OVER_CAP: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+Content-Type: application/json\r\nContent-Length: 95\r\nRetry-After: 1\r\n\
+Connection: close\r\n\r\n\
+{\"error\":\"unavailable\",\"message\":\"too many connections from this address; close one and retry\"}";
 
 /// The limits of [`serve`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ServeLimits {
     /// Connections open at once; more wait in the listen backlog.
     pub(crate) max_connections: usize,
+    /// Connections one peer address may hold at once; more get a 503.
+    pub(crate) max_connections_per_peer: usize,
     /// Time a client has to send a request head, and an idle keep-alive connection stays open.
     pub(crate) header_read_timeout: Duration,
+    /// Time an answer may wait for the client to read any of it before the connection is
+    /// reset; also the connection's `TCP_USER_TIMEOUT`.
+    pub(crate) write_timeout: Duration,
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves; then stops accepting (new
 /// connections are refused), lets every open connection finish the request under way, and
-/// returns once all have closed.
+/// returns once all have closed. Each request carries its peer's address as
+/// `ConnectInfo<SocketAddr>`.
 pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
@@ -46,13 +81,13 @@ pub(crate) async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let peers = PeerCounts::new(limits.max_connections_per_peer.max(1));
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .max_buf_size(MAX_HEAD_BYTES);
-    let service = TowerToHyperService::new(app);
     tokio::pin!(shutdown);
     loop {
         // A free slot first, then accept: over the cap nothing is read from new clients.
@@ -63,9 +98,9 @@ pub(crate) async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _peer)) => tcp,
+                Ok(accepted) => accepted,
                 Err(err) => {
                     accept_error(err).await;
                     continue;
@@ -73,17 +108,29 @@ pub(crate) async fn serve(
             },
             () = &mut shutdown => break,
         };
-        // Streamed output goes out in many small writes: without TCP_NODELAY, Nagle's
-        // algorithm holds each one until the client's delayed ACK, about 40 ms.
-        if let Err(err) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
-        }
-        let connection = builder.serve_connection(TokioIo::new(tcp), service.clone());
+        let Some(peer_slot) = peers.enter(peer.ip()) else {
+            // Over its share: told so and closed; the slot serves the next client.
+            let _ = tcp.try_write(PEER_OVER_CAP);
+            tracing::debug!(peer = %peer.ip(), "connection over the per-peer cap refused");
+            continue;
+        };
+        configure(&tcp, limits.write_timeout);
+        let io = TokioIo::new(WriteDeadline::new(tcp, limits.write_timeout));
+        // The peer's address for the handlers (per-peer budgets), as axum's
+        // `into_make_service_with_connect_info` would give it.
+        let service =
+            app.clone()
+                .map_request(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                    request.extensions_mut().insert(ConnectInfo(peer));
+                    request
+                });
+        let connection = builder.serve_connection(io, TowerToHyperService::new(service));
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(err) = connection.await {
                 tracing::debug!(error = %err, "connection ended with an error");
             }
+            drop(peer_slot);
             drop(slot);
         });
     }
@@ -91,6 +138,170 @@ pub(crate) async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// Socket options of an accepted connection.
+fn configure(tcp: &TcpStream, write_timeout: Duration) {
+    // Streamed output goes out in many small writes: without TCP_NODELAY, Nagle's
+    // algorithm holds each one until the client's delayed ACK, about 40 ms.
+    if let Err(err) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+    }
+    // Data unacknowledged for this long ends the connection: a peer that is gone does not
+    // keep its slot for the kernel's default of about 15 minutes of retransmissions.
+    if let Err(err) = socket2::SockRef::from(tcp).set_tcp_user_timeout(Some(write_timeout)) {
+        tracing::debug!(error = %err, "cannot set TCP_USER_TIMEOUT");
+    }
+}
+
+/// Open connections per peer address, each at most `cap`.
+#[derive(Clone)]
+struct PeerCounts {
+    /// Connections open per address; an address leaves the map with its last connection,
+    /// so the map holds at most as many entries as there are open connections.
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    /// Most connections one address may hold.
+    cap: usize,
+}
+
+/// One connection counted against its peer; uncounted on drop.
+struct PeerSlot {
+    /// The counts it is in.
+    counts: PeerCounts,
+    /// Its peer, as counted (IPv4-mapped IPv6 addresses as IPv4).
+    ip: IpAddr,
+}
+
+impl PeerCounts {
+    fn new(cap: usize) -> PeerCounts {
+        PeerCounts {
+            open: Arc::default(),
+            cap,
+        }
+    }
+
+    /// Counts a new connection of `ip`; `None` when the address is at its cap.
+    fn enter(&self, ip: IpAddr) -> Option<PeerSlot> {
+        let ip = ip.to_canonical();
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(ip).or_insert(0);
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot {
+            counts: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.counts.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// A connection that fails its writes once none has made progress for `timeout`: the
+/// timer runs only while a write is pending (the client's receive window is shut), and
+/// any byte written stops it. On expiry the socket is reset rather than closed, so the
+/// kernel does not keep sending the unread answer to a client that does not read.
+pub(crate) struct WriteDeadline {
+    /// The client's connection.
+    tcp: TcpStream,
+    /// How long a write may make no progress.
+    timeout: Duration,
+    /// Running while a write is pending; `None` after any progress.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl WriteDeadline {
+    pub(crate) fn new(tcp: TcpStream, timeout: Duration) -> WriteDeadline {
+        WriteDeadline {
+            tcp,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// What a write's outcome means under the deadline: progress stops the timer, a
+    /// pending write starts it (or finds it expired).
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        outcome: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if outcome.is_ready() {
+            self.stalled = None;
+            return outcome;
+        }
+        let timeout = self.timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if stalled.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        // A linger of zero makes the close a reset: the unread answer is dropped.
+        let _ = socket2::SockRef::from(&self.tcp).set_linger(Some(Duration::ZERO));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the client read nothing of the answer for {} s",
+                timeout.as_secs()
+            ),
+        )))
+    }
+}
+
+impl AsyncRead for WriteDeadline {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteDeadline {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let outcome = Pin::new(&mut self.tcp).poll_write(cx, buf);
+        self.watch(cx, outcome)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let outcome = Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs);
+        self.watch(cx, outcome)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    // A TCP flush or shutdown writes nothing, so it is no progress: the timer is left as
+    // the writes set it.
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
 }
 
 /// A failed accept: a client that gave up is skipped; anything else (out of file
@@ -106,4 +317,39 @@ async fn accept_error(err: io::Error) {
     }
     tracing::error!(error = %err, "accept failed");
     tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_capped_one_by_one_and_leave_the_map() {
+        let peers = PeerCounts::new(2);
+        let a: IpAddr = "127.0.0.1".parse().expect("ip");
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().expect("ip");
+        let b: IpAddr = "127.0.0.2".parse().expect("ip");
+        let first = peers.enter(a).expect("first");
+        let second = peers.enter(mapped).expect("second, the same peer");
+        assert!(peers.enter(a).is_none(), "a third from the same peer");
+        let other = peers.enter(b).expect("another peer is not held back");
+        drop(first);
+        let again = peers.enter(a).expect("room again after one closed");
+        drop((second, again, other));
+        assert!(peers.open.lock().expect("lock").is_empty());
+    }
+
+    #[test]
+    fn the_over_cap_answer_is_well_formed() {
+        let text = std::str::from_utf8(PEER_OVER_CAP).expect("ascii");
+        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("Content-Length: "))
+            .and_then(|v| v.parse().ok())
+            .expect("length");
+        assert_eq!(body.len(), length);
+        let json: serde_json::Value = serde_json::from_str(body).expect("JSON");
+        assert_eq!(json["error"], "unavailable");
+    }
 }
