@@ -20,6 +20,10 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
 
+/// Most input refs (`files[]`) one exec may carry: each places a copy of a file in the
+/// workspace, and one request must not turn one upload into thousands of copies.
+pub(crate) const MAX_INPUT_REFS: usize = 100;
+
 /// Above this many users' buckets, the full ones (users idle long enough to have their
 /// whole budget back) are forgotten, so the map does not grow with every user ever seen.
 const PRUNE_ABOVE: usize = 4096;
