@@ -162,6 +162,7 @@ async fn input_refs_to_one_upload_cannot_multiply_it_on_disk() {
             .lines()
             .filter(|l| l.contains("storage budget"))
             .collect();
+        eprintln!("why: {why:?}");
         assert_eq!(why.len(), 1, "one line says why: {body}");
         assert!(why[0].len() < 600, "the line is bounded: {}", why[0]);
     } else {
@@ -231,6 +232,7 @@ async fn a_hundred_bad_refs_give_one_bounded_note() {
         lines.len(),
         err.len()
     );
+    eprintln!("note: {lines:?}");
     assert_eq!(lines.len(), 1, "one line for all missing inputs: {err}");
     assert!(lines[0].len() < 600, "the line is bounded: {}", lines[0]);
     assert!(lines[0].contains("100"), "it counts them: {}", lines[0]);

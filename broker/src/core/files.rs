@@ -475,7 +475,9 @@ impl Broker {
             let mut index = session.index();
             // A restored version of this session keeps its id: drop the old entry (its
             // blob is the one the restored version names, so it stays).
-            index.remove(&placed.id);
+            if index.get(&placed.id).is_some() {
+                index.remove(&placed.id);
+            }
             // Old versions make room as for any new version; what was placed is recorded
             // even if they cannot (it was checked to fit before).
             let extra = index.placed_cost_of(&placed.sha256, placed.size);
