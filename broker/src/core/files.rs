@@ -323,7 +323,7 @@ impl Broker {
         tenant: Option<&str>,
         notes: &mut Vec<String>,
     ) -> Result<Vec<PlacedInput>> {
-        crate::core::sessions::check_ref_count(files)?;
+        crate::core::limits::check_input_refs(files.len())?;
         let mut in_place = Vec::new();
         let mut left_out = InputsLeftOut::default();
         let mut unused = Vec::new();

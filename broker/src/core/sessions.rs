@@ -92,7 +92,6 @@ impl Broker {
     /// caller's tenant are placed read-only, any other is named missing like an unknown
     /// one, so another tenant's ids cannot be probed ([`Broker::place_inputs`]).
     pub(crate) fn authorize_refs(&self, user: Option<&str>, files: &[InputFile]) -> Result<()> {
-        check_ref_count(files)?;
         let foreign = files.iter().any(|f| {
             !f.session_id.is_empty()
                 && self
@@ -337,18 +336,4 @@ impl Broker {
             .ok_or_else(|| Error::NotFound(format!("file {file_id} not found")))?;
         Ok((session, record))
     }
-}
-
-/// Refuses an exec with more input refs than [`MAX_INPUT_REFS`], before anything is placed.
-///
-/// [`MAX_INPUT_REFS`]: crate::core::limits::MAX_INPUT_REFS
-pub(crate) fn check_ref_count(files: &[InputFile]) -> Result<()> {
-    use crate::core::limits::MAX_INPUT_REFS;
-    if files.len() > MAX_INPUT_REFS {
-        return Err(Error::BadRequest(format!(
-            "an exec may carry at most {MAX_INPUT_REFS} input files; this one carries {}",
-            files.len()
-        )));
-    }
-    Ok(())
 }
