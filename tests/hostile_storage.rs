@@ -283,7 +283,8 @@ async fn the_users_budget_spans_their_sessions() {
         .await;
     assert_eq!(status, 200, "{copied}");
     assert!(
-        stderr(&copied).contains("copy.bin\" was not placed")
+        lines_with(stderr(&copied), "was not placed: ") == 1
+            && stderr(&copied).contains("copy.bin")
             && stderr(&copied).contains("CODEBROKER_USER_STORAGE"),
         "{copied}"
     );
@@ -320,31 +321,32 @@ fn noise(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Uploads are kept as versions too: one over the budget is a 413 that says why, and a
-/// new version of an uploaded file replaces the old one.
+/// Uploads are kept as versions too, and each is charged twice (its version and its copy
+/// in /mnt/data): one over the budget is a 413 that says why, and a new version of an
+/// uploaded file replaces the old one.
 #[tokio::test]
 async fn an_upload_over_the_budget_is_refused_with_413() {
     let broker =
         TestBroker::start_with("upload-budget", |c| c.caps.session_storage = 16 * MIB).await;
-    let (status, first) = upload(&broker, None, "a.bin", noise(10 << 20, 1)).await;
+    let (status, first) = upload(&broker, None, "a.bin", noise(6 << 20, 1)).await;
     assert_eq!(status, 200, "{first}");
     let s = first["session_id"].as_str().expect("session").to_string();
     let first_id = first["files"][0]["id"].as_str().expect("id").to_string();
 
-    let (status, refused) = upload(&broker, Some(&s), "b.bin", noise(10 << 20, 2)).await;
+    let (status, refused) = upload(&broker, Some(&s), "b.bin", noise(6 << 20, 2)).await;
     assert_eq!(status, 413, "{refused}");
     let message = refused.to_string();
     assert!(message.contains("storage budget"), "{message}");
 
     // A new version of a.bin fits: the old one is dropped for it.
-    let (status, second) = upload(&broker, Some(&s), "a.bin", noise(10 << 20, 3)).await;
+    let (status, second) = upload(&broker, Some(&s), "a.bin", noise(6 << 20, 3)).await;
     assert_eq!(status, 200, "{second}");
     let second_id = second["files"][0]["id"].as_str().expect("id").to_string();
     let (status, _) = download(&broker, &s, &first_id).await;
     assert_eq!(status, 404, "the old version was dropped");
     let (status, bytes) = download(&broker, &s, &second_id).await;
     assert_eq!(status, 200);
-    assert_eq!(bytes, noise(10 << 20, 3));
+    assert_eq!(bytes, noise(6 << 20, 3));
 
     let listed = broker.run("bash", "ls /mnt/data", Some(&s)).await;
     assert_eq!(stdout(&listed).trim(), "a.bin", "{listed}");

@@ -539,7 +539,10 @@ pub struct Caps {
     pub max_live_sandboxes: usize,
 
     /// Most the broker keeps of one session's file versions (the copies that file ids
-    /// download from, uploads included), as for the quota (`256MiB`). A new version that
+    /// download from, uploads included, and each copy of an upload or an input file the
+    /// broker places in `/mnt/data`, which the workspace quota does not see), as for the
+    /// quota (`256MiB`). An upload whose files together are over it is refused while it is
+    /// read. A new version that
     /// would go over it first drops versions that are no longer current, oldest first
     /// (their ids then answer 404); if it still does not fit it is not kept, and the exec's
     /// stderr says so in one line. An upload that does not fit gets 413. The default keeps
@@ -558,6 +561,12 @@ pub struct Caps {
     /// Largest uploaded file, in MiB (over it: 413).
     #[arg(long, env = "CODEBROKER_MAX_UPLOAD_MB", default_value_t = 100, value_parser = mebibytes(1))]
     pub max_upload_mb: u64,
+
+    /// An upload's body must bring at least 64 KiB every this many seconds, or it is cut
+    /// with 408: a client that drips its body cannot hold a connection and a staged file
+    /// for ever. 0: no such limit.
+    #[arg(long, env = "CODEBROKER_UPLOAD_STALL_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub upload_stall_secs: u64,
 
     /// Largest request body, in MiB.
     #[arg(long, env = "CODEBROKER_MAX_BODY_MB", default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BODY_MB))]

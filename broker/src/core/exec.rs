@@ -36,6 +36,17 @@ pub(crate) struct InputFile {
     pub(crate) name: String,
 }
 
+impl InputFile {
+    /// How a note names the ref: its name, or its id when it carries none.
+    pub(crate) fn shown_name(&self) -> &str {
+        if self.name.is_empty() {
+            &self.id
+        } else {
+            &self.name
+        }
+    }
+}
+
 /// One exec as the front ends ask for it.
 #[derive(Debug, Clone)]
 pub(crate) struct ExecInput {

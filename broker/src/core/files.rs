@@ -8,7 +8,7 @@ use crate::core::{Broker, InputFile};
 use crate::ids::new_id;
 use crate::session::Session;
 use crate::workspace::{
-    human_bytes, safe_relative_path, FileRecord, Origin, StorageBudget, Workspace,
+    human_bytes, safe_relative_path, FileRecord, LeftOut, Origin, StorageBudget, Workspace,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -48,6 +48,83 @@ pub(crate) struct PlacedInput {
     pub(crate) name: String,
 }
 
+/// An exec's input refs that were not placed, by reason: each reason makes one note line,
+/// bounded whatever the number of refs or the length of their names.
+#[derive(Debug, Default)]
+struct InputsLeftOut {
+    /// Refs to files that do not exist, have expired, or are another tenant's.
+    missing: LeftOut,
+    /// Refs whose name is not a path beneath `/mnt/data`.
+    invalid: LeftOut,
+    /// Refs whose copy would go over the storage budget.
+    over_budget: LeftOut,
+    /// Refs the broker could not write (something in the way at the name).
+    unplaced: LeftOut,
+    /// Why the first of `unplaced` could not be written.
+    first_error: Option<String>,
+}
+
+impl InputsLeftOut {
+    /// One line per reason that has refs.
+    fn notes(&self, budget: &StorageBudget) -> Vec<String> {
+        let mut notes = Vec::new();
+        let were = |left: &LeftOut| if left.count == 1 { "was" } else { "were" };
+        let inputs = |left: &LeftOut| {
+            if left.count == 1 {
+                "1 input file".to_string()
+            } else {
+                format!("{} input files", left.count)
+            }
+        };
+        if self.missing.count > 0 {
+            notes.push(format!(
+                "{} {} not found: {}",
+                inputs(&self.missing),
+                were(&self.missing),
+                self.missing.list()
+            ));
+        }
+        if self.invalid.count > 0 {
+            notes.push(format!(
+                "{} {} not placed: the name is not a relative path without '..': {}",
+                inputs(&self.invalid),
+                were(&self.invalid),
+                self.invalid.list()
+            ));
+        }
+        if self.over_budget.count > 0 {
+            notes.push(format!(
+                "{} {} not placed: each copy in /mnt/data counts, and they are over \
+                 {}: {}",
+                inputs(&self.over_budget),
+                were(&self.over_budget),
+                budget.describe(),
+                self.over_budget.list()
+            ));
+        }
+        if self.unplaced.count > 0 {
+            let why = self.first_error.as_deref().unwrap_or("unknown error");
+            notes.push(format!(
+                "{} could not be placed ({}): {}",
+                inputs(&self.unplaced),
+                shorten_note(why),
+                self.unplaced.list()
+            ));
+        }
+        notes
+    }
+}
+
+/// An error's text for a note, cut to a line's worth.
+fn shorten_note(text: &str) -> String {
+    const MAX: usize = 120;
+    let mut end = text.len().min(MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].replace('\n', " ")
+}
+
 impl Broker {
     /// The staging directory for uploads in flight; on the data volume, so a staged file
     /// moves into its session with a rename.
@@ -63,6 +140,27 @@ impl Broker {
                  (for example data.csv or skills/pptx/SKILL.md)"
             ))
         })
+    }
+
+    /// The most one upload's files may hold together, whatever session they go to: the
+    /// session budget (each file is kept and placed, so more could never be stored).
+    /// `None` when sessions have no budget of their own.
+    pub(crate) fn upload_budget(&self) -> Option<StorageBudget> {
+        let limit = self.config.caps.session_storage;
+        (limit > 0).then_some(StorageBudget {
+            room: limit,
+            limit,
+            per_user: false,
+        })
+    }
+
+    /// Refuses (503) to stage upload bytes while the data volume is below
+    /// CODEBROKER_MIN_FREE_DISK.
+    pub(crate) fn check_room_to_stage(&self) -> Result<()> {
+        crate::core::diskspace::check_room_to_stage(
+            &self.config.data_dir,
+            self.config.caps.min_free_disk,
+        )
     }
 
     /// What `session`'s stored versions may take now: its own budget, or what its user's
@@ -128,13 +226,15 @@ impl Broker {
             let mut unused = Vec::new();
             let mut store = |file: StagedFile| -> Result<()> {
                 let name = file.name.to_string_lossy().into_owned();
-                let extra = index.cost_of(Some(&file.sha256), file.size);
+                // The blob, and the copy placed at the name.
+                let extra = index.placed_cost_of(&file.sha256, file.size);
                 let Some(dropped) =
                     index.make_room(extra, budget.room, Some(&name), Some(&file.sha256))
                 else {
                     return Err(Error::TooLarge(format!(
                         "{name} ({}) does not fit {}: the session keeps {} of file versions \
-                         that are still current. Delete files first",
+                         that are still current and of their copies in /mnt/data. Delete \
+                         files first",
                         human_bytes(file.size),
                         budget.describe(),
                         human_bytes(index.stored_bytes()),
@@ -208,6 +308,11 @@ impl Broker {
     /// named in `notes`, and so are shared files of another tenant, as if they did not
     /// exist; another user's file is a 403. Returns the inputs that are in place.
     ///
+    /// Each copy written into `/mnt/data` is charged to the storage budget (see
+    /// `FileIndex::placed_cost_of`), and recorded before the next ref is looked at, so
+    /// that refs to one file under many names cannot multiply it on disk. Refs left out
+    /// make one bounded note line per reason.
+    ///
     /// The refs were authorised against the caller when the session was chosen
     /// ([`Broker::choose_session`]); this checks the source against the destination's
     /// owner as well, so that no file moves into a session whose owner could not see it
@@ -220,18 +325,20 @@ impl Broker {
         tenant: Option<&str>,
         notes: &mut Vec<String>,
     ) -> Result<Vec<PlacedInput>> {
-        let mut placed = Vec::new();
+        crate::core::limits::check_input_refs(files.len())?;
         let mut in_place = Vec::new();
+        let mut left_out = InputsLeftOut::default();
+        let mut unused = Vec::new();
+        let mut changed = false;
         let budget = self.storage_budget(session);
         for file in files {
-            let missing = || format!("Input file {:?} (id {}) was not found", file.name, file.id);
             let source = if file.session_id.is_empty() || file.session_id == session.id() {
                 session.clone()
             } else {
                 match self.registry.get(&file.session_id) {
                     Some(s) if s.is_shared() => {
                         if !s.readable_by(None, tenant) {
-                            notes.push(missing());
+                            left_out.missing.add(file.shown_name());
                             continue;
                         }
                         s
@@ -260,14 +367,14 @@ impl Broker {
                         ))
                     }
                     None => {
-                        notes.push(missing());
+                        left_out.missing.add(file.shown_name());
                         continue;
                     }
                 }
             };
             let record = source.index().get(&file.id).cloned();
             let Some(record) = record.filter(|r| !self.is_expired(r)) else {
-                notes.push(missing());
+                left_out.missing.add(file.shown_name());
                 continue;
             };
             let target = if file.name.is_empty() {
@@ -276,50 +383,45 @@ impl Broker {
                 file.name.clone()
             };
             let Some(target_path) = safe_relative_path(&target) else {
-                notes.push(format!("Input file {target:?} has an invalid name"));
+                left_out.invalid.add(&target);
                 continue;
             };
             let target_name = target_path.to_string_lossy().into_owned();
             // This session's current version at the name, when it has the same bytes.
-            let (same_bytes, placed_read_only) = session
+            let (same_bytes, placed_read_only, placed_stamp) = session
                 .index()
                 .current(&target_name)
                 .filter(|c| c.sha256 == record.sha256)
-                .map(|c| (Some(c.id.clone()), c.read_only))
-                .unwrap_or((None, false));
-            if Arc::ptr_eq(&source, session) {
-                // Still in place, as this version? Then nothing to do; else restore it.
-                if same_bytes.is_some() {
-                    in_place.push(PlacedInput {
-                        sent_name: target,
-                        name: target_name,
-                    });
-                    continue;
-                }
-            } else if same_bytes.is_some()
-                && record.read_only
-                && placed_read_only
-                && self.read_only_stays_as_placed()
-            {
-                // A shared file copied in at an earlier exec, which the code cannot have
-                // changed: a skill's files come with every call, and are not written again.
+                .map(|c| (Some(c.id.clone()), c.read_only, Some(c.stamp)))
+                .unwrap_or((None, false, None));
+            if Arc::ptr_eq(&source, session) && same_bytes.is_some() {
+                // Still in place as this version (the harvest checked it): nothing to do.
                 in_place.push(PlacedInput {
                     sent_name: target,
                     name: target_name,
                 });
                 continue;
-            } else if same_bytes.is_none() {
-                // A copy from another session is a new version of this one: budgeted.
+            }
+            // A shared file copied in at an earlier exec, which the code cannot have
+            // changed: a skill's files come with every call, and are not written again,
+            // once the file at the name is seen to be the one placed (the code may have
+            // moved a directory on the path while it was being protected).
+            let unchanged_if = (!Arc::ptr_eq(&source, session)
+                && record.read_only
+                && placed_read_only
+                && self.read_only_stays_as_placed())
+            .then_some(placed_stamp)
+            .flatten();
+            if unchanged_if.is_none() {
+                // Every copy written is a new version of this session: budgeted, with the
+                // copies this exec placed before it counted.
                 let fits = {
                     let index = session.index();
-                    let extra = index.cost_of(Some(&record.sha256), record.size);
+                    let extra = index.placed_cost_of(&record.sha256, record.size);
                     index.could_fit(extra, budget.room, Some(&target_name))
                 };
                 if !fits {
-                    notes.push(format!(
-                        "Input file {target:?} was not placed: it is over {}",
-                        budget.describe()
-                    ));
+                    left_out.over_budget.add(&target);
                     continue;
                 }
             }
@@ -329,6 +431,11 @@ impl Broker {
             let rec = record.clone();
             let target_for_copy = target_path.clone();
             let result = tokio::task::spawn_blocking(move || {
+                if let Some(stamp) = unchanged_if {
+                    if to.placed_stamp(&target_for_copy) == Some(stamp) {
+                        return Ok(None);
+                    }
+                }
                 to.create_blobs_dir()?;
                 let blob = to.blob_path(&rec.sha256);
                 if !blob.exists() {
@@ -338,62 +445,71 @@ impl Broker {
                         std::fs::copy(&src, &blob)?;
                     }
                 }
-                backend.place_file(&at, &blob, &target_for_copy, rec.read_only)
+                backend
+                    .place_file(&at, &blob, &target_for_copy, rec.read_only)
+                    .map(Some)
             })
             .await
             .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
-            match result {
-                Ok(stamp) => {
+            let stamp = match result {
+                Ok(Some(stamp)) => stamp,
+                Ok(None) => {
                     in_place.push(PlacedInput {
                         sent_name: target,
-                        name: target_name.clone(),
-                    });
-                    placed.push(FileRecord {
-                        // Restoring a version of this session at its own name keeps its id;
-                        // so does a copy of the bytes this session already has at the name
-                        // (a skill's files, copied again at every exec, are written afresh
-                        // but not recorded again); any other placement is a new file of
-                        // this session.
-                        id: if Arc::ptr_eq(&source, session) && record.name == target_name {
-                            record.id.clone()
-                        } else if let Some(id) = same_bytes {
-                            id
-                        } else {
-                            new_id()
-                        },
                         name: target_name,
-                        stamp,
-                        current: true,
-                        origin: Origin::Input,
-                        created_ms: now_ms(),
-                        modified_from: None,
-                        ..record
-                    })
+                    });
+                    continue;
                 }
-                Err(err) => notes.push(format!("Input file {target:?} could not be placed: {err}")),
-            }
-        }
-        if !placed.is_empty() {
-            let mut unused = Vec::new();
-            let index = {
-                let mut index = session.index();
-                for record in placed {
-                    // A restored version of this session keeps its id: drop the old entry
-                    // (its blob is the one the restored version names, so it stays).
-                    index.remove(&record.id);
-                    // Old versions make room as for any new version; what was placed is
-                    // recorded even if they cannot (it was checked to fit before).
-                    let extra = index.cost_of(Some(&record.sha256), record.size);
-                    let keep = Some(record.sha256.as_str());
-                    if let Some(dropped) =
-                        index.make_room(extra, budget.room, Some(&record.name), keep)
-                    {
-                        unused.extend(dropped.blobs);
-                    }
-                    index.push_current(record);
+                Err(err) => {
+                    left_out.unplaced.add(&target);
+                    left_out.first_error.get_or_insert_with(|| err.to_string());
+                    continue;
                 }
-                index.clone()
             };
+            in_place.push(PlacedInput {
+                sent_name: target,
+                name: target_name.clone(),
+            });
+            let placed = FileRecord {
+                // Restoring a version of this session at its own name keeps its id; so
+                // does a copy of the bytes this session already has at the name (a
+                // skill's files, copied again at every exec, are written afresh but not
+                // recorded again); any other placement is a new file of this session.
+                id: if Arc::ptr_eq(&source, session) && record.name == target_name {
+                    record.id.clone()
+                } else if let Some(id) = same_bytes {
+                    id
+                } else {
+                    new_id()
+                },
+                name: target_name,
+                stamp,
+                current: true,
+                origin: Origin::Input,
+                created_ms: now_ms(),
+                modified_from: None,
+                ..record
+            };
+            // Recorded now, so that the next ref's budget check counts this copy.
+            let mut index = session.index();
+            // A restored version of this session keeps its id: drop the old entry (its
+            // blob is the one the restored version names, so it stays).
+            if index.get(&placed.id).is_some() {
+                index.remove(&placed.id);
+            }
+            // Old versions make room as for any new version; what was placed is recorded
+            // even if they cannot (it was checked to fit before).
+            let extra = index.placed_cost_of(&placed.sha256, placed.size);
+            let keep = Some(placed.sha256.as_str());
+            if let Some(dropped) = index.make_room(extra, budget.room, Some(&placed.name), keep) {
+                unused.extend(dropped.blobs);
+            }
+            index.push_current(placed);
+            changed = true;
+        }
+        notes.extend(left_out.notes(&budget));
+        if changed {
+            let index = session.index().clone();
             save_index(&session.workspace, &index).await?;
             delete_unused_blobs(&session.workspace, &index, unused).await;
         }

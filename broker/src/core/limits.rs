@@ -23,6 +23,21 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// Most input refs (`files[]`) one exec may carry: each places a copy of a file in the
+/// workspace, and one request must not turn one upload into thousands of copies.
+pub(crate) const MAX_INPUT_REFS: usize = 100;
+
+/// Refuses (400) an exec that carries `count` input refs, more than [`MAX_INPUT_REFS`],
+/// before anything is placed.
+pub(crate) fn check_input_refs(count: usize) -> Result<()> {
+    if count > MAX_INPUT_REFS {
+        return Err(Error::BadRequest(format!(
+            "an exec may carry at most {MAX_INPUT_REFS} input files; this one carries {count}"
+        )));
+    }
+    Ok(())
+}
+
 /// Above this many users' buckets, the full ones (users idle long enough to have their
 /// whole budget back) are forgotten, so the map does not grow with every user ever seen.
 const PRUNE_ABOVE: usize = 4096;

@@ -33,6 +33,9 @@ pub(crate) enum AppError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// The client sent its request too slowly (an upload below its minimum rate): 408.
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
     #[error("{message}")]
@@ -60,6 +63,7 @@ impl AppError {
             AppError::NotFound(_) => StatusCode::NOT_FOUND,
             AppError::Conflict(_) => StatusCode::CONFLICT,
             AppError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            AppError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AppError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -77,6 +81,7 @@ impl AppError {
             AppError::NotFound(_) => "not_found",
             AppError::Conflict(_) => "conflict",
             AppError::PayloadTooLarge(_) => "payload_too_large",
+            AppError::RequestTimeout(_) => "request_timeout",
             AppError::UnsupportedMediaType(_) => "unsupported_media_type",
             AppError::RateLimited { .. } => "rate_limited",
             AppError::Unavailable(_) => "unavailable",

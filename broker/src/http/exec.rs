@@ -91,8 +91,10 @@ impl ExecBody {
             Some(Args::List(list)) => list,
             Some(Args::Line(line)) => line.split_whitespace().map(str::to_string).collect(),
         };
+        let refs = self.files.unwrap_or_default();
+        crate::core::limits::check_input_refs(refs.len())?;
         let mut files = Vec::new();
-        for f in self.files.unwrap_or_default() {
+        for f in refs {
             if !is_valid_id(&f.id) {
                 return Err(AppError::BadRequest(format!("invalid file id: {:?}", f.id)));
             }

@@ -1,6 +1,6 @@
 //! The blob store: immutable copies of every recorded version, named by SHA-256.
 
-use super::fs::{copy_hashing, hand_to_sandbox, make_parents, open_regular};
+use super::fs::{copy_hashing, dir_flags, hand_to_sandbox, make_parents, open_regular};
 use super::{FileIndex, Stamp, Workspace};
 use crate::ids::new_id;
 use cap_fs_ext::{FollowSymlinks, OpenOptionsFollowExt};
@@ -117,6 +117,40 @@ impl Workspace {
         Ok(freed)
     }
 
+    /// The stamp of the regular file at `name` in the sandbox's files, found without
+    /// following a link anywhere on the path; `None` when there is none. A placement is
+    /// skipped only when this is the stamp the index recorded for it: the file the broker
+    /// placed, where it placed it.
+    pub(crate) fn placed_stamp(&self, name: &Path) -> Option<Stamp> {
+        let mut dir = std::os::fd::OwnedFd::from(self.open_files().ok()?.into_std_file());
+        let mut parts: Vec<_> = name.components().collect();
+        let leaf = parts.pop()?;
+        for part in parts {
+            dir = rustix::fs::openat(
+                &dir,
+                part.as_os_str(),
+                dir_flags(),
+                rustix::fs::Mode::empty(),
+            )
+            .ok()?;
+        }
+        let stat = rustix::fs::statat(
+            &dir,
+            leaf.as_os_str(),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .ok()?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+            return None;
+        }
+        Some(Stamp {
+            ino: stat.st_ino,
+            size: stat.st_size as u64,
+            ctime: stat.st_ctime,
+            ctime_nsec: stat.st_ctime_nsec as i64,
+        })
+    }
+
     /// Places a stored blob at `name` in the sandbox's files (directories created as
     /// needed). A read-only file is the broker's, mode 0444, in directories the broker owns
     /// with the sticky bit (see the module doc); any other file and the directories made
@@ -181,7 +215,33 @@ impl Workspace {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workspace::euid;
     use crate::workspace::tests::{limits, workspace};
+
+    #[test]
+    fn a_placed_file_is_known_by_its_stamp_where_it_was_placed_only() {
+        let (_tmp, ws) = workspace();
+        let blob = ws.root().join("blob");
+        std::fs::write(&blob, "skill").unwrap();
+        let name = Path::new("skills/s/SKILL.md");
+        let stamp = ws.place_blob(&blob, name, euid(), true).unwrap();
+        assert_eq!(ws.placed_stamp(name), Some(stamp));
+        // The directory moved and another put at its name, with a file of the same
+        // name: not the placed file, though the old one still exists.
+        let files = ws.files_dir();
+        std::fs::rename(files.join("skills/s"), files.join("skills/moved")).unwrap();
+        std::fs::create_dir(files.join("skills/s")).unwrap();
+        std::fs::write(files.join("skills/s/SKILL.md"), "skill").unwrap();
+        assert_ne!(ws.placed_stamp(name), Some(stamp));
+        // A link to the moved directory leads to the placed file, and is not followed.
+        std::fs::remove_dir_all(files.join("skills/s")).unwrap();
+        std::os::unix::fs::symlink("moved", files.join("skills/s")).unwrap();
+        assert_eq!(ws.placed_stamp(name), None);
+        assert_eq!(
+            ws.placed_stamp(Path::new("skills/moved/SKILL.md")),
+            Some(stamp)
+        );
+    }
 
     #[test]
     fn blobs_no_record_names_are_swept() {

@@ -77,6 +77,10 @@ pub(super) fn make_parents(
         )?;
         if read_only {
             protect_dir(&next, sandbox_uid)?;
+            // The code may have renamed its directory between the open and the change of
+            // owner, and put another at the name: the file would land in the one it moved
+            // away, and the code's own would stand at the name.
+            still_at(&current, part.as_os_str(), &next)?;
         } else if created {
             hand_to_sandbox(&next, sandbox_uid)?;
             rustix::fs::fchmod(&next, rustix::fs::Mode::from_raw_mode(0o755))?;
@@ -84,6 +88,24 @@ pub(super) fn make_parents(
         current = Dir::from_std_file(std::fs::File::from(next));
     }
     Ok(current)
+}
+
+/// Fails unless `name` in `parent` is the directory `opened`, found without following a
+/// link: what was opened and protected is still what the path leads to.
+pub(super) fn still_at(
+    parent: impl std::os::fd::AsFd,
+    name: &std::ffi::OsStr,
+    opened: impl std::os::fd::AsFd,
+) -> io::Result<()> {
+    let at = rustix::fs::statat(parent, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)?;
+    let held = rustix::fs::fstat(opened)?;
+    if (at.st_dev, at.st_ino) != (held.st_dev, held.st_ino) {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "a directory on the path was replaced while it was being protected",
+        ));
+    }
+    Ok(())
 }
 
 /// Makes `dir` the broker's, group of the sandbox, mode 1770: the sandbox may add entries,
@@ -165,6 +187,42 @@ pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_swapped_after_it_was_opened_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        std::fs::create_dir(root.join("skill")).unwrap();
+        let parent = std::fs::File::open(root).unwrap();
+        let opened =
+            rustix::fs::openat(&parent, "skill", dir_flags(), rustix::fs::Mode::empty()).unwrap();
+        still_at(&parent, "skill".as_ref(), &opened).expect("unmoved: accepted");
+        // Between the open and the check, the directory moves and another takes its name.
+        std::fs::rename(root.join("skill"), root.join("moved")).unwrap();
+        std::fs::create_dir(root.join("skill")).unwrap();
+        let err = still_at(&parent, "skill".as_ref(), &opened).expect_err("swapped: refused");
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+        // A link to the moved directory at the name is refused too.
+        std::fs::remove_dir(root.join("skill")).unwrap();
+        std::os::unix::fs::symlink("moved", root.join("skill")).unwrap();
+        still_at(&parent, "skill".as_ref(), &opened).expect_err("a link: refused");
+        // Gone altogether.
+        std::fs::remove_file(root.join("skill")).unwrap();
+        still_at(&parent, "skill".as_ref(), &opened).expect_err("gone: refused");
+    }
+
+    #[test]
+    fn a_skill_lands_where_its_name_says_or_nowhere() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let dir = Dir::open_ambient_dir(root, cap_std::ambient_authority()).unwrap();
+        std::fs::create_dir_all(root.join("skills/pptx")).unwrap();
+        let last = make_parents(&dir, Path::new("skills/pptx"), euid(), true).unwrap();
+        let held = rustix::fs::fstat(&last).unwrap();
+        let at = std::fs::metadata(root.join("skills/pptx")).unwrap();
+        use std::os::unix::fs::MetadataExt as _;
+        assert_eq!(held.st_ino, at.ino());
+    }
 
     #[test]
     fn client_names_stay_beneath_the_root() {

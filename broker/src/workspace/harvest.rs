@@ -4,7 +4,7 @@
 //! (the mounted directory here, or the sandbox's runner), and giving each a new id.
 
 use super::fs::{copy_hashing, open_regular};
-use super::index::{blob_cost, human_bytes, RECORD_COST};
+use super::index::{blob_cost, human_bytes, placed_cost, RECORD_COST};
 use super::{FileIndex, FileRecord, Origin, Stamp, StorageBudget, Workspace};
 use crate::clock::now_ms;
 use crate::ids::new_id;
@@ -71,17 +71,18 @@ const NOTE_NAMES: usize = 3;
 /// Longest name shown in a note, in bytes; longer ones are cut.
 const NOTE_NAME_BYTES: usize = 80;
 
-/// Files of one harvest left out for one reason: counted, a few named.
+/// Files left out for one reason (by a harvest, or among an exec's inputs): counted, a
+/// few named, so that the note saying so is one bounded line whatever the number.
 #[derive(Debug, Default)]
-struct LeftOut {
+pub(crate) struct LeftOut {
     /// How many.
-    count: usize,
+    pub(crate) count: usize,
     /// The first few, cut to [`NOTE_NAME_BYTES`].
     names: Vec<String>,
 }
 
 impl LeftOut {
-    fn add(&mut self, name: &str) {
+    pub(crate) fn add(&mut self, name: &str) {
         self.count += 1;
         if self.names.len() < NOTE_NAMES {
             self.names.push(shorten(name, NOTE_NAME_BYTES));
@@ -89,7 +90,7 @@ impl LeftOut {
     }
 
     /// `a, b, c and 7 more`: bounded whatever the count.
-    fn list(&self) -> String {
+    pub(crate) fn list(&self) -> String {
         let mut text = self.names.join(", ");
         let more = self.count - self.names.len();
         if more > 0 {
@@ -99,7 +100,7 @@ impl LeftOut {
     }
 
     /// `1 file` / `2000 files`.
-    fn files(&self) -> String {
+    pub(crate) fn files(&self) -> String {
         if self.count == 1 {
             "1 file".into()
         } else {
@@ -123,6 +124,19 @@ fn shorten(name: &str, max: usize) -> String {
         tail += 1;
     }
     format!("{}...{}", &name[..head], &name[tail..])
+}
+
+/// Most files a session remembers as noted ([`FileIndex::noted`]): past it, files left out
+/// are noted again at the next harvest (in the same bounded lines), and the memory a
+/// session holds for them stays small.
+pub(super) const MAX_NOTED: usize = 1024;
+
+/// Remembers that the file of `key` was noted with `stamp`, while fewer than
+/// [`MAX_NOTED`] are.
+fn remember(noted: &mut HashMap<u64, Stamp>, key: u64, stamp: Stamp) {
+    if noted.len() < MAX_NOTED || noted.contains_key(&key) {
+        noted.insert(key, stamp);
+    }
 }
 
 /// A key for [`FileIndex::noted`]: a hash of the name, so that thousands of long names
@@ -210,7 +224,7 @@ impl Workspace {
                 if !quiet {
                     oversize.add(&name);
                 }
-                noted.insert(key, stamp);
+                remember(&mut noted, key, stamp);
                 continue;
             }
             if report.files.len() >= limits.max_files {
@@ -224,14 +238,14 @@ impl Workspace {
             let extra = index.cost_of(None, stamp.size);
             let replaced = previous
                 .as_ref()
-                .map_or(0, |p| RECORD_COST + blob_cost(p.size));
+                .map_or(0, |p| RECORD_COST + blob_cost(p.size) + placed_cost(p));
             if floor.saturating_add(extra) > room.saturating_add(replaced)
                 || !index.could_fit(extra, room, Some(&name))
             {
                 if !quiet {
                     refused.add(&name);
                 }
-                noted.insert(key, stamp);
+                remember(&mut noted, key, stamp);
                 continue;
             }
             let (sha256, size) = match source.store_blob(self, &name, limits.max_file_bytes) {
@@ -240,7 +254,7 @@ impl Workspace {
                     if !quiet {
                         oversize.add(&name);
                     }
-                    noted.insert(key, stamp);
+                    remember(&mut noted, key, stamp);
                     continue;
                 }
                 // Gone or swapped for something that is not a regular file, or refused by
@@ -270,7 +284,7 @@ impl Workspace {
                     if !quiet {
                         refused.add(&name);
                     }
-                    noted.insert(key, stamp);
+                    remember(&mut noted, key, stamp);
                     report.unused_blobs.push(sha256);
                     continue;
                 }
@@ -672,6 +686,23 @@ mod tests {
 
         let again = ws.harvest(&mut index, limits()).unwrap();
         assert!(again.vanished.is_empty(), "{:?}", again.vanished);
+    }
+
+    #[test]
+    fn the_files_remembered_as_noted_are_bounded() {
+        let mut noted = HashMap::new();
+        for key in 0..(MAX_NOTED as u64 * 3) {
+            remember(&mut noted, key, Stamp::default());
+        }
+        assert_eq!(noted.len(), MAX_NOTED);
+        // One already remembered gets its new stamp.
+        let stamp = Stamp {
+            ino: 9,
+            ..Stamp::default()
+        };
+        remember(&mut noted, 0, stamp);
+        assert_eq!(noted.get(&0), Some(&stamp));
+        assert_eq!(noted.len(), MAX_NOTED);
     }
 
     #[test]

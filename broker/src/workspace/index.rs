@@ -80,6 +80,18 @@ pub(crate) fn blob_cost(size: u64) -> u64 {
     size.div_ceil(BLOCK).max(1).saturating_mul(BLOCK)
 }
 
+/// What the copy of `record` that the broker wrote into `/mnt/data` costs: an upload or an
+/// input ref is placed there as a full copy of its blob, outside the workspace quota (the
+/// runner only watches what code writes), so each current one is charged again. Code's
+/// own files are under the quota, and old versions have no copy.
+pub(super) fn placed_cost(record: &FileRecord) -> u64 {
+    if record.current && record.origin != Origin::Generated {
+        blob_cost(record.size)
+    } else {
+        0
+    }
+}
+
 /// The file ids of one session, persisted as `index.json` so ids survive a restart.
 ///
 /// Lookups by id and by name, and the bytes the versions take, are kept in maps beside
@@ -100,13 +112,14 @@ pub(crate) struct FileIndex {
     /// Each blob the records need: its cost and how many records share it.
     #[serde(skip)]
     blobs: HashMap<String, BlobUse>,
-    /// What the versions cost against the storage budget: blobs plus records.
+    /// What the versions cost against the storage budget: blobs, records, and the copies
+    /// the broker placed in `/mnt/data` ([`placed_cost`]).
     #[serde(skip)]
     stored: u64,
     /// Files the last harvest did not keep (over the size limit or the storage budget), by
     /// a hash of the name, with their stamp: unchanged, they are left out again without a
     /// note, instead of being noted at every exec. Kept in memory only; after a restart
-    /// they are noted once more.
+    /// they are noted once more. At most `harvest::MAX_NOTED` entries.
     #[serde(skip)]
     pub(super) noted: HashMap<u64, Stamp>,
 }
@@ -176,7 +189,8 @@ impl FileIndex {
             self.files[pos].current = false;
         }
         self.stored = self.blobs.values().map(|b| b.cost).sum::<u64>()
-            + RECORD_COST * self.files.len() as u64;
+            + RECORD_COST * self.files.len() as u64
+            + self.files.iter().map(placed_cost).sum::<u64>();
     }
 
     /// The record of file id `id`.
@@ -192,6 +206,7 @@ impl FileIndex {
     /// Adds `record` as the newest version of its name.
     pub(crate) fn push_current(&mut self, record: FileRecord) {
         if let Some(&old) = self.current.get(&record.name) {
+            self.stored = self.stored.saturating_sub(placed_cost(&self.files[old]));
             self.files[old].current = false;
         }
         let pos = self.files.len();
@@ -203,7 +218,7 @@ impl FileIndex {
             self.stored += blob.cost;
         }
         blob.records += 1;
-        self.stored += RECORD_COST;
+        self.stored += RECORD_COST + placed_cost(&record);
         self.by_id.insert(record.id.clone(), pos);
         if record.current {
             self.current.insert(record.name.clone(), pos);
@@ -222,6 +237,7 @@ impl FileIndex {
     /// `/mnt/data`); the id still serves its bytes. Returns that version.
     pub(crate) fn retire(&mut self, name: &str) -> Option<FileRecord> {
         let pos = self.current.remove(name)?;
+        self.stored = self.stored.saturating_sub(placed_cost(&self.files[pos]));
         self.files[pos].current = false;
         Some(self.files[pos].clone())
     }
@@ -236,7 +252,10 @@ impl FileIndex {
         if self.current.get(&name).is_some_and(|&p| p != pos) {
             return false;
         }
-        self.files[pos].current = true;
+        if !self.files[pos].current {
+            self.files[pos].current = true;
+            self.stored += placed_cost(&self.files[pos]);
+        }
         self.files[pos].stamp = stamp;
         self.current.insert(name, pos);
         true
@@ -289,7 +308,7 @@ impl FileIndex {
         let mut total = 0;
         for &pos in self.current.values() {
             let r = &self.files[pos];
-            total += RECORD_COST;
+            total += RECORD_COST + placed_cost(r);
             if named.insert(r.sha256.as_str()) {
                 total += self.blobs.get(&r.sha256).map_or(0, |b| b.cost);
             }
@@ -302,6 +321,13 @@ impl FileIndex {
     pub(crate) fn cost_of(&self, sha256: Option<&str>, size: u64) -> u64 {
         let shared = sha256.is_some_and(|h| self.uses_blob(h));
         RECORD_COST + if shared { 0 } else { blob_cost(size) }
+    }
+
+    /// What one more version costs that the broker places in `/mnt/data` (an upload, an
+    /// input ref): [`FileIndex::cost_of`] plus its copy there, shared bytes or not.
+    pub(crate) fn placed_cost_of(&self, sha256: &str, size: u64) -> u64 {
+        self.cost_of(Some(sha256), size)
+            .saturating_add(blob_cost(size))
     }
 
     /// The versions to drop, oldest first, so that `extra` more bytes fit within `limit`:
@@ -336,7 +362,8 @@ impl FileIndex {
             });
             let left = refs.entry(&r.sha256).or_insert(blob.records);
             *left = left.saturating_sub(1);
-            let mut freed = RECORD_COST;
+            // The current version of `replacing` takes its placed copy with it.
+            let mut freed = RECORD_COST + placed_cost(r);
             if *left == 0 && keep != Some(r.sha256.as_str()) {
                 freed += blob.cost;
             }
@@ -520,6 +547,49 @@ mod tests {
         let loaded: FileIndex =
             serde_json::from_slice(&serde_json::to_vec(&index).unwrap()).unwrap();
         assert_eq!(loaded.current("a").unwrap().id, "a2");
+    }
+
+    #[test]
+    fn each_placed_copy_is_charged_until_it_is_gone() {
+        let mib = 1 << 20;
+        let placed = |id: &str, name: &str| FileRecord {
+            origin: Origin::Input,
+            ..record(id, name, "same", mib)
+        };
+        let mut index = FileIndex::default();
+        index.push_current(placed("a1", "a"));
+        // The blob once, and the copy at `a`.
+        assert_eq!(index.stored_bytes(), 2 * mib + RECORD_COST);
+        assert_eq!(index.placed_cost_of("same", mib), mib + RECORD_COST);
+        for i in 0..3 {
+            index.push_current(placed(&format!("c{i}"), &format!("c{i}")));
+        }
+        assert_eq!(index.stored_bytes(), 5 * mib + 4 * RECORD_COST);
+        // 60 more copies of 1 MiB do not fit a budget of 8 MiB: the fifth is refused.
+        let limit = 8 * mib + 16 * RECORD_COST;
+        let mut fitted = 0;
+        for i in 3..63 {
+            let extra = index.placed_cost_of("same", mib);
+            if index.could_fit(extra, limit, Some(&format!("c{i}"))) {
+                index.push_current(placed(&format!("c{i}"), &format!("c{i}")));
+                fitted += 1;
+            }
+        }
+        assert_eq!(fitted, 3);
+        assert!(index.stored_bytes() <= limit);
+        // A copy the code deleted, or replaced by its own file, costs nothing more.
+        let before = index.stored_bytes();
+        index.retire("c0");
+        assert_eq!(index.stored_bytes(), before - mib);
+        index.push_current(record("g1", "c1", "mine", mib));
+        // c1's copy goes, the code's file brings its blob.
+        assert_eq!(index.stored_bytes(), before - 2 * mib + mib + RECORD_COST);
+        assert!(index.reinstate("c0", Stamp::default()));
+        assert_eq!(index.stored_bytes(), before + RECORD_COST);
+        let loaded: FileIndex =
+            serde_json::from_slice(&serde_json::to_vec(&index).unwrap()).unwrap();
+        assert_eq!(loaded.stored_bytes(), index.stored_bytes());
+        assert_eq!(loaded.floor_bytes(), index.floor_bytes());
     }
 
     #[test]

@@ -25,7 +25,7 @@ mod index;
 mod state;
 
 pub(crate) use fs::{euid, safe_relative_path};
-pub(crate) use harvest::{HarvestLimits, HarvestReport, HarvestSource, MAX_ENTRIES};
+pub(crate) use harvest::{HarvestLimits, HarvestReport, HarvestSource, LeftOut, MAX_ENTRIES};
 pub(crate) use index::{human_bytes, FileIndex, FileRecord, Origin, Stamp, StorageBudget};
 pub(crate) use state::SavedState;
 

@@ -2,6 +2,7 @@
 //! (docs/API.md, "Files"), for both contract generations.
 
 pub(super) mod download;
+mod guard;
 pub(super) mod upload;
 
 use super::AppState;
@@ -22,7 +23,8 @@ pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route(
             "/upload",
-            // Sizes are enforced per file while streaming, not by buffering the body.
+            // Sizes are enforced per file while streaming, not by buffering the body; the
+            // multipart structure and the body's rate are bounded as it comes (`guard`).
             post(upload::upload).layer(DefaultBodyLimit::disable()),
         )
         .route(

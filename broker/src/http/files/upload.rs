@@ -1,6 +1,7 @@
 //! `POST /upload` and `POST /upload/batch`: multipart files streamed to staging, then
 //! stored in a session.
 
+use super::guard::{BodyCut, CutReason, GuardedBody};
 use crate::core::files::{StagedFile, UploadOptions};
 use crate::core::Broker;
 use crate::http::auth::Caller;
@@ -9,13 +10,16 @@ use crate::http::AppState;
 use crate::ids::{is_valid_id, new_id};
 use crate::session::Session;
 use crate::workspace::FileRecord;
-use axum::extract::{Multipart, State};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap};
 use axum::Json;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 /// Most files one upload request may carry.
@@ -49,13 +53,40 @@ impl Drop for StagingGuard {
     }
 }
 
+/// How often, in staged bytes, the free space of the data volume is looked at again while
+/// a file is staged.
+const FREE_DISK_CHECK_BYTES: u64 = 8 * 1024 * 1024;
+
 /// Reads the multipart body, streaming each file into the staging area. With `strict`,
 /// the first bad file fails the request; without, it is listed in `refused`.
+///
+/// The body is bounded as it comes ([`GuardedBody`]): a preamble or part headers past
+/// 16 KiB are a 400, a body that stalls a 408. What is staged is bounded too: the files
+/// of one upload together never more than the session storage budget (each is kept and
+/// placed, so more could never be stored), and never while the data volume is below
+/// CODEBROKER_MIN_FREE_DISK.
 async fn read_form(
     broker: &Broker,
-    mut multipart: Multipart,
+    headers: &HeaderMap,
+    body: Body,
     strict: bool,
 ) -> AppResult<(UploadForm, StagingGuard)> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|e| AppError::BadRequest(format!("expected a multipart/form-data body: {e}")))?;
+    let cut = CutReason::default();
+    let stall = Duration::from_secs(broker.config.caps.upload_stall_secs);
+    let body = GuardedBody::new(body.into_data_stream(), &boundary, stall, cut.clone());
+    let mut multipart = multer::Multipart::new(body, boundary);
+    // A cut body is answered with why it was cut; multer only passes the error on.
+    let failed = |context: &str, e: multer::Error| {
+        cut.get()
+            .map(BodyCut::to_error)
+            .unwrap_or_else(|| AppError::BadRequest(format!("{context}: {e}")))
+    };
     let mut form = UploadForm {
         staged: Vec::new(),
         refused: Vec::new(),
@@ -67,11 +98,13 @@ async fn read_form(
         .await
         .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
     let max_bytes = broker.config.caps.max_upload_mb * 1024 * 1024;
+    let budget = broker.upload_budget();
+    let mut staged_bytes = 0u64;
     let mut text_fields = 0usize;
     while let Some(mut field) = multipart
         .next_field()
         .await
-        .map_err(|e| AppError::BadRequest(format!("malformed multipart body: {e}")))?
+        .map_err(|e| failed("malformed multipart body", e))?
     {
         let field_name = field.name().unwrap_or("").to_string();
         let Some(file_name) = field.file_name().map(str::to_string) else {
@@ -81,7 +114,7 @@ async fn read_form(
                     "at most {MAX_TEXT_FIELDS} form fields besides files per upload"
                 )));
             }
-            let text = read_text_field(&mut field, &field_name).await?;
+            let text = read_text_field(&mut field, &field_name, &failed).await?;
             form.fields.insert(field_name, text);
             continue;
         };
@@ -98,6 +131,7 @@ async fn read_form(
                 continue;
             }
         };
+        broker.check_room_to_stage()?;
         let temp = staging.join(new_id());
         guard.0.push(temp.clone());
         let mut out = tokio::fs::File::create(&temp)
@@ -106,15 +140,28 @@ async fn read_form(
         let mut hasher = Sha256::new();
         let mut size = 0u64;
         let mut too_large = false;
+        let mut next_disk_check = FREE_DISK_CHECK_BYTES;
         while let Some(chunk) = field
             .chunk()
             .await
-            .map_err(|e| AppError::BadRequest(format!("upload interrupted: {e}")))?
+            .map_err(|e| failed("upload interrupted", e))?
         {
             size += chunk.len() as u64;
             if size > max_bytes {
                 too_large = true;
                 break;
+            }
+            staged_bytes += chunk.len() as u64;
+            if let Some(budget) = budget.filter(|b| staged_bytes > b.limit) {
+                return Err(AppError::PayloadTooLarge(format!(
+                    "the files of this upload together are over {}: each is kept, and \
+                     placed in /mnt/data, and both copies count",
+                    budget.describe()
+                )));
+            }
+            if size >= next_disk_check {
+                next_disk_check += FREE_DISK_CHECK_BYTES;
+                broker.check_room_to_stage()?;
             }
             hasher.update(&chunk);
             out.write_all(&chunk)
@@ -134,6 +181,9 @@ async fn read_form(
             }
             // Skip the rest of this part so the next one can be read.
             while let Ok(Some(_)) = field.chunk().await {}
+            if let Some(why) = cut.get() {
+                return Err(why.to_error());
+            }
             form.refused.push((file_name, err));
             continue;
         }
@@ -150,14 +200,15 @@ async fn read_form(
 /// A non-file form field as text, read chunk by chunk and refused (413) past
 /// [`MAX_TEXT_FIELD_BYTES`] without reading the rest.
 async fn read_text_field(
-    field: &mut axum::extract::multipart::Field<'_>,
+    field: &mut multer::Field<'_>,
     name: &str,
+    failed: &impl Fn(&str, multer::Error) -> AppError,
 ) -> AppResult<String> {
     let mut bytes = Vec::new();
     while let Some(chunk) = field
         .chunk()
         .await
-        .map_err(|e| AppError::BadRequest(format!("malformed form field {name:?}: {e}")))?
+        .map_err(|e| failed(&format!("malformed form field {name:?}"), e))?
     {
         if bytes.len() + chunk.len() > MAX_TEXT_FIELD_BYTES {
             return Err(AppError::PayloadTooLarge(format!(
@@ -255,15 +306,18 @@ fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
         (status = 200, description = "`{message, session_id, storage_session_id, files[{fileId, filename, id, size}]}`", content_type = "application/json"),
         (status = 400, description = "No file, or a bad name", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::Unauthorized,
-        (status = 413, description = "Larger than CODEBROKER_MAX_UPLOAD_MB", body = crate::http::openapi::ErrorBody),
+        (status = 408, description = "The body came slower than 64 KiB per CODEBROKER_UPLOAD_STALL_SECS", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "Larger than CODEBROKER_MAX_UPLOAD_MB, or the files together over the storage budget", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "The data volume is below CODEBROKER_MIN_FREE_DISK", body = crate::http::openapi::ErrorBody),
     )
 )]
 pub(super) async fn upload(
     State(state): State<AppState>,
     caller: Caller,
-    multipart: Multipart,
+    headers: HeaderMap,
+    body: Body,
 ) -> AppResult<Json<Value>> {
-    let (mut form, guard) = read_form(&state.broker, multipart, true).await?;
+    let (mut form, guard) = read_form(&state.broker, &headers, body, true).await?;
     if form.staged.is_empty() {
         return Err(AppError::BadRequest(
             "no file in the upload: send multipart field `file`".into(),
@@ -312,9 +366,10 @@ pub(super) async fn upload(
 pub(super) async fn upload_batch(
     State(state): State<AppState>,
     caller: Caller,
-    multipart: Multipart,
+    headers: HeaderMap,
+    body: Body,
 ) -> AppResult<Json<Value>> {
-    let (mut form, guard) = read_form(&state.broker, multipart, false).await?;
+    let (mut form, guard) = read_form(&state.broker, &headers, body, false).await?;
     if form.staged.is_empty() && form.refused.is_empty() {
         return Err(AppError::BadRequest(
             "no file in the upload: send multipart fields `file`".into(),
