@@ -358,7 +358,7 @@ impl Broker {
                             s.meta.tenant.as_deref(),
                         ) =>
                     {
-                        notes.push(missing());
+                        left_out.missing.add(file.shown_name());
                         continue;
                     }
                     Some(_) => {
