@@ -153,7 +153,7 @@ impl SandboxBackend for DockerBackend {
         workspace: &Workspace,
         warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        DockerBackend::create(self, session_id, &workspace.files_dir(), warmup).await
+        DockerBackend::create(self, session_id, workspace, warmup).await
     }
 
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
@@ -212,8 +212,8 @@ impl SandboxBackend for DockerBackend {
     ) -> io::Result<Stamp> {
         match self.file_transfer() {
             FileTransfer::Host => {
-                at.workspace
-                    .place_blob(blob, name, self.sandbox_uid(), read_only)
+                let owner = self.workspace_owner(&at.workspace)?;
+                at.workspace.place_blob(blob, name, owner, read_only)
             }
             FileTransfer::Runner => runner_files::place_file(
                 &at.workspace,
@@ -283,8 +283,11 @@ impl SandboxBackend for DockerBackend {
         // Whichever way files move, what a container mounts is the engine's business: the
         // directory behind the pooled container's mount becomes the session's (entries
         // are renamed, never opened), so a later container on the session's workspace
-        // sees what this one wrote.
-        session.take_files_dir_of(pooled)
+        // sees what this one wrote. The files the session's earlier sandboxes wrote, as
+        // other uids, become the pooled sandbox's.
+        session.take_files_dir_of(pooled)?;
+        let owner = self.workspace_owner(session)?;
+        session.hand_to(owner)
     }
 
     fn settle_files(
