@@ -258,7 +258,8 @@ pub struct SandboxProfile {
     /// (its gid the same number), never two at once, so code that escapes one owns no
     /// other's processes or workspace and shares no per-uid kernel limit with them. The
     /// first is given to no sandbox: workspaces without a live sandbox are its. Far from
-    /// real accounts by default; must not hold the broker's own uid. Docker only.
+    /// real accounts by default; must not hold the broker's own uid, and must have a uid for
+    /// each container CODEBROKER_MAX_CONTAINERS allows. Docker only.
     #[arg(long, env = "CODEBROKER_SANDBOX_UIDS", default_value = "200000-265535")]
     pub sandbox_uids: UidRange,
 
@@ -1034,6 +1035,25 @@ impl Config {
         if self.backend == BackendKind::Kubernetes {
             self.validate_kubernetes()?;
         }
+        self.validate_sandbox_uids()
+    }
+
+    /// A cap on live containers that the uid range could not serve would refuse sandboxes
+    /// with "every uid in use" before the cap is reached: refused at start instead.
+    fn validate_sandbox_uids(&self) -> Result<(), String> {
+        if let (BackendKind::Docker, SandboxUids::Own(range), ContainerCap::Count(cap)) = (
+            self.backend,
+            self.sandbox.sandbox_uids(),
+            &self.caps.max_containers,
+        ) {
+            let uids = (range.last - range.first) as usize;
+            if *cap > uids {
+                return Err(format!(
+                    "CODEBROKER_MAX_CONTAINERS ({cap}) is more than the {uids} sandbox uids of \
+                     CODEBROKER_SANDBOX_UIDS ({range}); widen the range"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -1379,5 +1399,16 @@ mod tests {
         }
         let config = Config::try_parse_from(["codebroker", "--sandbox-uids", "10-10"]);
         assert!(config.is_err());
+        // A container cap the range cannot serve is refused; one it can, or a shared uid, is not.
+        let mut config = Config::for_tests("/data".into(), "t");
+        config.sandbox.sandbox_uids = "100-102".parse().expect("range");
+        config.caps.max_containers = ContainerCap::Count(3);
+        let err = config.validate().expect_err("too small a range");
+        assert!(err.contains("CODEBROKER_SANDBOX_UIDS (100-102)"), "{err}");
+        config.caps.max_containers = ContainerCap::Count(2);
+        assert!(config.validate().is_ok());
+        config.caps.max_containers = ContainerCap::Count(3);
+        config.sandbox.sandbox_uid = Some(10001);
+        assert!(config.validate().is_ok());
     }
 }

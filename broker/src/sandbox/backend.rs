@@ -132,8 +132,9 @@ pub(crate) trait SandboxBackend: Send + Sync {
     fn hands_over_pooled(&self) -> bool;
 
     /// Hands the sandbox of the pooled workspace `pooled` to the session of `session`,
-    /// with the session's files; an error leaves both as they were (the pooled sandbox is
-    /// then not used).
+    /// with the session's files; on an error the pooled sandbox is not used, and the
+    /// session keeps every file (in its own directory, or in the pooled one that took its
+    /// place if only handing them to the pooled sandbox's uid failed).
     fn take_pooled_workspace(&self, session: &Workspace, pooled: &Workspace) -> io::Result<()>;
 
     /// Brings a newly attached sandbox up to date with its session's files (moves that
