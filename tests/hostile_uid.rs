@@ -381,3 +381,34 @@ async fn a_sandbox_uid_has_a_name_so_programs_that_look_it_up_still_run() {
         "{resp}"
     );
 }
+
+/// Python that opens inotify instances until the kernel refuses one (at most `n`), keeps
+/// them in the kernel's globals, and prints how many it holds.
+fn inotify_hog(n: usize) -> String {
+    format!(
+        "import ctypes\nlibc = ctypes.CDLL(None)\nheld = globals().setdefault('held', [])\n\
+         for _ in range({n}):\n    fd = libc.inotify_init()\n    if fd < 0:\n        break\n    held.append(fd)\n\
+         print(len(held))"
+    )
+}
+
+#[tokio::test]
+async fn a_sandbox_that_uses_up_a_per_uid_kernel_limit_leaves_the_others_theirs() {
+    // fs.inotify.max_user_instances (128 by default) counts per uid, host-wide.
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(128);
+    let broker = TestBroker::start("uid-inotify").await;
+    let hog = broker.run("py", &inotify_hog(limit + 10), None).await;
+    let held: usize = stdout(&hog).trim().parse().expect("count");
+    assert!(held <= limit, "{hog}");
+    // The hog's uid has none left (so the limit was reached), and keeps them.
+    let more = broker
+        .run("py", &inotify_hog(1), Some(&session(&hog)))
+        .await;
+    assert_eq!(stdout(&more).trim(), held.to_string(), "{more}");
+    // Another session's sandbox still gets its own.
+    let other = broker.run("py", &inotify_hog(4), None).await;
+    assert_eq!(stdout(&other).trim(), "4", "{other}");
+}

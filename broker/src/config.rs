@@ -259,7 +259,8 @@ pub struct SandboxProfile {
     /// other's processes or workspace and shares no per-uid kernel limit with them. The
     /// first is given to no sandbox: workspaces without a live sandbox are its. Far from
     /// real accounts by default; must not hold the broker's own uid, and must have a uid for
-    /// each container CODEBROKER_MAX_CONTAINERS allows. Docker only.
+    /// each container CODEBROKER_MAX_CONTAINERS allows. Brokers sharing a Docker host need
+    /// ranges that do not overlap: each only knows its own sandboxes. Docker only.
     #[arg(long, env = "CODEBROKER_SANDBOX_UIDS", default_value = "200000-265535")]
     pub sandbox_uids: UidRange,
 
