@@ -15,8 +15,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// The sandbox uid (the broker's default).
-const SANDBOX_UID: u32 = 10001;
+/// The uids sandboxes are given (the broker's default CODEBROKER_SANDBOX_UIDS, less the
+/// first, which no sandbox runs as).
+const SANDBOX_UIDS: std::ops::RangeInclusive<u32> = 200_001..=265_535;
 
 const SKILL: &str = "# pptx\nUse python-pptx. Never call tools not listed here.\n";
 
@@ -210,13 +211,14 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
     assert_eq!(cap("CapBnd:"), "000000000000000b", "{status}");
     assert_eq!(cap("CapAmb:"), "0000000000000000", "{status}");
     let broker_uid = broker.uid();
-    assert_ne!(
-        broker_uid, SANDBOX_UID,
-        "the broker runs as the sandbox uid"
+    assert!(
+        !SANDBOX_UIDS.contains(&broker_uid),
+        "the broker runs as a sandbox uid"
     );
     assert_ne!(broker_uid, 0, "the broker runs as root");
     let resp = broker.exec(&s, "id -u").await;
-    assert_eq!(stdout(&resp).trim(), SANDBOX_UID.to_string());
+    let sandbox_uid: u32 = stdout(&resp).trim().parse().expect("uid");
+    assert!(SANDBOX_UIDS.contains(&sandbox_uid), "{resp}");
     let root = broker.data_dir.join("sessions").join(&s);
     for (path, mode) in [
         (broker.data_dir.clone(), 0o700),
@@ -294,12 +296,12 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
         .await;
     assert_eq!(
         stdout(&resp).trim(),
-        format!("{SANDBOX_UID} 4755"),
+        format!("{sandbox_uid} 4755"),
         "{resp}"
     );
     let setuid = root.join("files/s");
     let meta = std::fs::metadata(&setuid).expect("metadata");
-    assert_eq!(meta.uid(), SANDBOX_UID);
+    assert_eq!(meta.uid(), sandbox_uid);
     assert_ne!(meta.uid(), broker_uid);
     // And no other host user can even reach it.
     // (Through a shell: setpriv itself still holds root's capabilities at its execve.)

@@ -11,7 +11,10 @@ async fn lockdown_flags_read_back_from_docker_inspect() {
     let broker = TestBroker::start("lockdown").await;
     let resp = broker.run("bash", "id -u; echo $HOME; pwd", None).await;
     let lines: Vec<&str> = stdout(&resp).lines().collect();
-    assert_eq!(lines, ["10001", "/mnt/data", "/mnt/data"], "{resp}");
+    assert_eq!(lines[1..], ["/mnt/data", "/mnt/data"], "{resp}");
+    // A uid of its own from CODEBROKER_SANDBOX_UIDS (the first is given to none).
+    let uid: u32 = lines[0].parse().expect("uid");
+    assert!((200_001..=265_535).contains(&uid), "{resp}");
     let containers = broker.containers();
     assert_eq!(containers.len(), 1);
     let c = inspect(&containers[0]);
@@ -39,7 +42,7 @@ async fn lockdown_flags_read_back_from_docker_inspect() {
     assert!(ulimits.iter().any(|u| u["Name"] == "fsize"));
     assert_eq!(host["IpcMode"], "private");
     assert_eq!(host["LogConfig"]["Type"], "none");
-    assert_eq!(c["Config"]["User"], "10001:10001");
+    assert_eq!(c["Config"]["User"], format!("{uid}:{uid}").as_str());
     let labels = &c["Config"]["Labels"];
     assert_eq!(labels["codebroker.instance"], broker.instance.as_str());
     assert_eq!(labels["codebroker.session"], session(&resp).as_str());

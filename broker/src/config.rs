@@ -267,10 +267,22 @@ pub struct SandboxProfile {
     )]
     pub workspace_max_files: u64,
 
-    /// Uid and gid the sandboxed code runs as, owner of what the code creates. Not the
-    /// broker's own uid: then the code could change read-only uploads.
-    #[arg(long, env = "CODEBROKER_SANDBOX_UID", default_value_t = 10001)]
-    pub sandbox_uid: u32,
+    /// The uids sandboxes run as, `first-last`: each live sandbox runs as one of its own
+    /// (its gid the same number), never two at once, so code that escapes one owns no
+    /// other's processes or workspace and shares no per-uid kernel limit with them. The
+    /// first is given to no sandbox: workspaces without a live sandbox are its. Far from
+    /// real accounts by default; must not hold the broker's own uid, and must have a uid for
+    /// each container CODEBROKER_MAX_CONTAINERS allows. Brokers sharing a Docker host need
+    /// ranges that do not overlap: each only knows its own sandboxes. Docker only.
+    #[arg(long, env = "CODEBROKER_SANDBOX_UIDS", default_value = "200000-265535")]
+    pub sandbox_uids: UidRange,
+
+    /// One uid (and gid) for every sandbox instead of CODEBROKER_SANDBOX_UIDS: sandboxes
+    /// then share it, and code escaping one reaches the others. For a trial as your own
+    /// user (`$(id -u)`), where read-only uploads are not protected either. On Kubernetes,
+    /// the uid of every sandbox pod (unset: 10001).
+    #[arg(long, env = "CODEBROKER_SANDBOX_UID")]
+    pub sandbox_uid: Option<u32>,
 
     /// Give sandboxes no network at all (`NetworkMode=none`). Turn off only for trusted use.
     #[arg(long, env = "CODEBROKER_NETWORK_NONE", default_value_t = true, action = clap::ArgAction::Set)]
@@ -882,6 +894,93 @@ fn is_dns_subdomain(text: &str) -> bool {
     text.len() <= 253 && text.split('.').all(is_dns_label)
 }
 
+/// The uid of every Kubernetes sandbox pod unless CODEBROKER_SANDBOX_UID names another:
+/// the image's `sandbox` user.
+pub(crate) const DEFAULT_POD_UID: u32 = 10001;
+
+/// The highest uid a sandbox may be given: uids are 32-bit, but `(uid_t)-1` means "no
+/// change" to the kernel and some programs take uids for signed numbers.
+const MAX_SANDBOX_UID: u32 = i32::MAX as u32;
+
+/// A range of uids, both ends included (CODEBROKER_SANDBOX_UIDS): the first is the
+/// workspaces' at rest, the others are handed to sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    /// The lowest uid of the range: given to no sandbox, owner of idle workspaces.
+    pub first: u32,
+    /// The highest uid of the range.
+    pub last: u32,
+}
+
+impl UidRange {
+    /// Whether `uid` is in the range.
+    pub(crate) fn contains(&self, uid: u32) -> bool {
+        (self.first..=self.last).contains(&uid)
+    }
+}
+
+impl std::fmt::Display for UidRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl std::str::FromStr for UidRange {
+    type Err = String;
+
+    /// `first-last`: 1 <= first < last <= 2^31 - 1, so that at least one uid is left for a
+    /// sandbox besides the first.
+    fn from_str(text: &str) -> Result<UidRange, String> {
+        let bad = || format!("{text:?} is not a uid range such as 200000-265535");
+        let (first, last) = text.trim().split_once('-').ok_or_else(bad)?;
+        let first: u32 = first.trim().parse().map_err(|_| bad())?;
+        let last: u32 = last.trim().parse().map_err(|_| bad())?;
+        if first == 0 || first >= last || last > MAX_SANDBOX_UID {
+            return Err(format!(
+                "uid range {text:?}: needs 1 <= first < last <= {MAX_SANDBOX_UID} (root is never \
+                 a sandbox's, and the first uid is given to none)"
+            ));
+        }
+        Ok(UidRange { first, last })
+    }
+}
+
+/// Which uids sandboxes run as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SandboxUids {
+    /// One uid for every sandbox (CODEBROKER_SANDBOX_UID).
+    Shared(u32),
+    /// A uid of its own for each live sandbox, from this range (CODEBROKER_SANDBOX_UIDS).
+    Own(UidRange),
+}
+
+impl SandboxUids {
+    /// Who a workspace without a live sandbox is handed to: the shared uid, or the first
+    /// of the range, which no sandbox runs as.
+    pub(crate) fn resting(&self) -> u32 {
+        match self {
+            SandboxUids::Shared(uid) => *uid,
+            SandboxUids::Own(range) => range.first,
+        }
+    }
+}
+
+impl SandboxProfile {
+    /// Which uids Docker sandboxes run as: the one of CODEBROKER_SANDBOX_UID when it is
+    /// set, else each its own from CODEBROKER_SANDBOX_UIDS.
+    pub(crate) fn sandbox_uids(&self) -> SandboxUids {
+        match self.sandbox_uid {
+            Some(uid) => SandboxUids::Shared(uid),
+            None => SandboxUids::Own(self.sandbox_uids),
+        }
+    }
+
+    /// The uid of every Kubernetes sandbox pod.
+    pub(crate) fn pod_uid(&self) -> u32 {
+        self.sandbox_uid.unwrap_or(DEFAULT_POD_UID)
+    }
+}
+
 /// A size in bytes: a number, optionally followed by a unit (`k`, `M`, `G`, `T`, with or
 /// without `iB`/`B`; all powers of 1024).
 pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
@@ -1033,9 +1132,15 @@ impl Config {
     /// sandbox sees it (files move through the runner) and the broker needs no capability
     /// to hand it over.
     pub(crate) fn workspace_uid(&self) -> u32 {
+        self.sandbox_uids().resting()
+    }
+
+    /// Which uids the sandboxes of this broker's workspaces run as: on Kubernetes no
+    /// sandbox sees the broker's copy, which stays the broker's own.
+    pub(crate) fn sandbox_uids(&self) -> SandboxUids {
         match self.backend {
-            BackendKind::Docker => self.sandbox.sandbox_uid,
-            BackendKind::Kubernetes => crate::workspace::euid(),
+            BackendKind::Docker => self.sandbox.sandbox_uids(),
+            BackendKind::Kubernetes => SandboxUids::Shared(crate::workspace::euid()),
         }
     }
 
@@ -1083,6 +1188,25 @@ impl Config {
         if self.backend == BackendKind::Kubernetes {
             self.validate_kubernetes()?;
         }
+        self.validate_sandbox_uids()
+    }
+
+    /// A cap on live containers that the uid range could not serve would refuse sandboxes
+    /// with "every uid in use" before the cap is reached: refused at start instead.
+    fn validate_sandbox_uids(&self) -> Result<(), String> {
+        if let (BackendKind::Docker, SandboxUids::Own(range), ContainerCap::Count(cap)) = (
+            self.backend,
+            self.sandbox.sandbox_uids(),
+            &self.caps.max_containers,
+        ) {
+            let uids = (range.last - range.first) as usize;
+            if *cap > uids {
+                return Err(format!(
+                    "CODEBROKER_MAX_CONTAINERS ({cap}) is more than the {uids} sandbox uids of \
+                     CODEBROKER_SANDBOX_UIDS ({range}); widen the range"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -1105,7 +1229,7 @@ impl Config {
                 self.sandbox.instance
             ));
         }
-        if self.sandbox.sandbox_uid == 0 {
+        if self.sandbox.pod_uid() == 0 {
             return Err(
                 "CODEBROKER_SANDBOX_UID must not be 0: sandbox pods run as non-root".into(),
             );
@@ -1397,9 +1521,57 @@ mod tests {
     #[test]
     fn workspaces_belong_to_the_sandbox_on_docker_and_to_the_broker_on_kubernetes() {
         let mut config = Config::for_tests("/data".into(), "t");
-        config.sandbox.sandbox_uid = 10001;
+        // At rest, a workspace is the range's first uid, which no sandbox runs as.
+        assert_eq!(
+            config.sandbox.sandbox_uids(),
+            SandboxUids::Own(UidRange {
+                first: 200_000,
+                last: 265_535
+            })
+        );
+        assert_eq!(config.workspace_uid(), 200_000);
+        config.sandbox.sandbox_uid = Some(10001);
+        assert_eq!(config.sandbox.sandbox_uids(), SandboxUids::Shared(10001));
         assert_eq!(config.workspace_uid(), 10001);
         config.backend = BackendKind::Kubernetes;
         assert_eq!(config.workspace_uid(), crate::workspace::euid());
+        assert_eq!(config.sandbox.pod_uid(), 10001);
+        config.sandbox.sandbox_uid = None;
+        assert_eq!(config.sandbox.pod_uid(), DEFAULT_POD_UID);
+    }
+
+    #[test]
+    fn uid_ranges_leave_a_sandbox_uid_and_never_root() {
+        let range: UidRange = "200000-265535".parse().expect("range");
+        assert_eq!((range.first, range.last), (200_000, 265_535));
+        assert!(range.contains(200_000) && range.contains(265_535));
+        assert!(!range.contains(199_999) && !range.contains(265_536));
+        assert_eq!(range.to_string(), "200000-265535");
+        assert!("5-6".parse::<UidRange>().is_ok());
+        for bad in [
+            "",
+            "200000",
+            "0-10",
+            "7-7",
+            "9-8",
+            "a-b",
+            "1-4294967295",
+            "-1-5",
+        ] {
+            assert!(bad.parse::<UidRange>().is_err(), "{bad:?}");
+        }
+        let config = Config::try_parse_from(["codebroker", "--sandbox-uids", "10-10"]);
+        assert!(config.is_err());
+        // A container cap the range cannot serve is refused; one it can, or a shared uid, is not.
+        let mut config = Config::for_tests("/data".into(), "t");
+        config.sandbox.sandbox_uids = "100-102".parse().expect("range");
+        config.caps.max_containers = ContainerCap::Count(3);
+        let err = config.validate().expect_err("too small a range");
+        assert!(err.contains("CODEBROKER_SANDBOX_UIDS (100-102)"), "{err}");
+        config.caps.max_containers = ContainerCap::Count(2);
+        assert!(config.validate().is_ok());
+        config.caps.max_containers = ContainerCap::Count(3);
+        config.sandbox.sandbox_uid = Some(10001);
+        assert!(config.validate().is_ok());
     }
 }

@@ -1,11 +1,14 @@
 //! Who the broker runs as, checked once at start.
 //!
-//! The sandboxes run as `CODEBROKER_SANDBOX_UID`. A broker with another uid keeps its data
-//! and read-only uploads out of their reach, but then must hand workspaces to that uid and
-//! read and remove what the code creates with any mode: as root, or non-root with
-//! `CAP_CHOWN`, `CAP_DAC_OVERRIDE` and `CAP_FOWNER` (what the broker image gives it).
-//! A broker running as the sandbox uid works, without that protection.
+//! The sandboxes run each as a uid of its own from `CODEBROKER_SANDBOX_UIDS`, or all as
+//! `CODEBROKER_SANDBOX_UID`. A broker with another uid keeps its data and read-only
+//! uploads out of their reach, but then must hand workspaces to those uids and read and
+//! remove what the code creates with any mode: as root, or non-root with `CAP_CHOWN`,
+//! `CAP_DAC_OVERRIDE` and `CAP_FOWNER` (what the broker image gives it). A broker running
+//! as the one sandbox uid works, without that protection; a broker whose uid a sandbox
+//! could be given does not start.
 
+use crate::config::SandboxUids;
 use std::io;
 
 /// The capabilities a non-root broker with its own uid needs, with their bit numbers
@@ -21,32 +24,19 @@ pub(crate) enum Identity {
     SameAsSandbox,
 }
 
-/// Checks this process can serve sandboxes of `sandbox_uid`, then clears its ambient
-/// capabilities, so that no program it starts (an upstream MCP server) inherits them.
-pub(crate) fn check(sandbox_uid: u32) -> anyhow::Result<Identity> {
+/// Checks this process can serve sandboxes running as `sandbox_uids`, then clears its
+/// ambient capabilities, so that no program it starts (an upstream MCP server) inherits
+/// them.
+pub(crate) fn check(sandbox_uids: SandboxUids) -> anyhow::Result<Identity> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    let identity = if euid == sandbox_uid {
-        Identity::SameAsSandbox
-    } else if euid == 0 {
-        Identity::Separate
-    } else {
-        let effective = effective_caps()?;
-        let missing: Vec<&str> = NEEDED
-            .iter()
-            .filter(|(_, bit)| effective & (1u64 << bit) == 0)
-            .map(|(name, _)| *name)
-            .collect();
-        if !missing.is_empty() {
-            anyhow::bail!(
-                "the broker runs as uid {euid}, not root and not the sandbox uid \
-                 {sandbox_uid}, without {}: it could not hand workspaces to the sandbox \
-                 nor read what the code creates. Run it as root, with those capabilities \
-                 (the broker image's entrypoint does), or set CODEBROKER_SANDBOX_UID={euid}",
-                missing.join(", ")
-            );
-        }
-        Identity::Separate
+    let identity = match sandbox_uids {
+        SandboxUids::Shared(uid) if uid == euid => Identity::SameAsSandbox,
+        SandboxUids::Own(range) if range.contains(euid) => anyhow::bail!(
+            "the broker runs as uid {euid}, inside CODEBROKER_SANDBOX_UIDS ({range}): a \
+             sandbox could be given the broker's own uid. Choose a range without it"
+        ),
+        _ => check_separate(euid, sandbox_uids.resting())?,
     };
     // SAFETY: prctl with these arguments only changes this process's ambient set.
     unsafe {
@@ -58,6 +48,32 @@ pub(crate) fn check(sandbox_uid: u32) -> anyhow::Result<Identity> {
             0,
         );
     }
+    Ok(identity)
+}
+
+/// A broker of its own uid `euid`: root, or holding the capabilities it needs to hand
+/// workspaces to the sandboxes' uids (`sandbox_uid` names one, for the message).
+fn check_separate(euid: u32, sandbox_uid: u32) -> anyhow::Result<Identity> {
+    let identity = if euid == 0 {
+        Identity::Separate
+    } else {
+        let effective = effective_caps()?;
+        let missing: Vec<&str> = NEEDED
+            .iter()
+            .filter(|(_, bit)| effective & (1u64 << bit) == 0)
+            .map(|(name, _)| *name)
+            .collect();
+        if !missing.is_empty() {
+            anyhow::bail!(
+                "the broker runs as uid {euid}, not root and not the sandbox uid \
+                 (e.g. {sandbox_uid}), without {}: it could not hand workspaces to the sandbox \
+                 nor read what the code creates. Run it as root, with those capabilities \
+                 (the broker image's entrypoint does), or set CODEBROKER_SANDBOX_UID={euid}",
+                missing.join(", ")
+            );
+        }
+        Identity::Separate
+    };
     Ok(identity)
 }
 

@@ -39,11 +39,11 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate().map_err(anyhow::Error::msg)?;
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     http::jwt::JwtKeys::load(&config.access).context("cannot load the JWT public keys")?;
-    if identity::check(config.workspace_uid())? == identity::Identity::SameAsSandbox
+    if identity::check(config.sandbox_uids())? == identity::Identity::SameAsSandbox
         && config.backend == BackendKind::Docker
     {
         tracing::warn!(
-            uid = config.sandbox.sandbox_uid,
+            uid = config.workspace_uid(),
             "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
              run it as another uid (the broker image does)"
         );

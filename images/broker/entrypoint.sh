@@ -7,9 +7,11 @@
 # is on this host, and it keeps the three capabilities it needs. Then setpriv drops root
 # for good.
 #
-# The broker's uid (10002) is not the sandbox uid (CODEBROKER_SANDBOX_UID, 10001): code
-# that escapes its container owns neither the data directory nor a process with the
-# Docker socket, and read-only uploads are the broker's files, which the code can read but
+# The broker's uid (10002) is no sandbox's: each sandbox runs as a uid of its own from
+# CODEBROKER_SANDBOX_UIDS (200000-265535; the broker refuses a range holding its uid), or
+# all as CODEBROKER_SANDBOX_UID when that is set. Code that escapes its container owns
+# neither the data directory nor a process with the Docker socket, nor another sandbox's
+# processes, and read-only uploads are the broker's files, which the code can read but
 # not change. To hand each workspace to the sandbox uid and to read and remove whatever the
 # code creates, the broker keeps CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_FOWNER (ambient, so
 # they survive the exec; nothing else is in its bounding set, and it clears the ambient set
@@ -21,13 +23,13 @@ set -eu
 socket=${DOCKER_HOST:-unix:///var/run/docker.sock}
 socket=${socket#unix://}
 data=${CODEBROKER_DATA_DIR:-/var/lib/codebroker}
-sandbox=${CODEBROKER_SANDBOX_UID:-10001}
+sandbox=${CODEBROKER_SANDBOX_UID:-}
 broker=10002
 
 if [ "$(id -u)" != 0 ] || [ "${CODEBROKER_RUN_AS_ROOT:-false}" = true ]; then
   exec codebroker "$@"
 fi
-if [ "$sandbox" = "$broker" ] || [ "$sandbox" = 0 ]; then
+if [ -n "$sandbox" ] && { [ "$sandbox" = "$broker" ] || [ "$sandbox" = 0 ]; }; then
   echo "codebroker-entrypoint: CODEBROKER_SANDBOX_UID must be neither $broker (the broker's uid) nor 0" >&2
   exit 1
 fi
@@ -35,12 +37,14 @@ fi
 mkdir -p "$data"
 # A data directory left by an older image (owned by the sandbox uid) or a root broker is
 # handed over once: everything but the inside of the workspaces, which stays the
-# sandbox's; the workspaces themselves become the broker's, group of the sandbox, sticky.
+# sandbox's; the workspaces themselves become the broker's, sticky, group of the one
+# sandbox uid if set (else the broker gives each the group of the sandbox it starts on
+# it, and hands that sandbox what older ones left inside).
 if [ "$(stat -c %u "$data")" != "$broker" ]; then
   find "$data" -path "$data/sessions/*/files" -prune -o -exec chown -h "$broker:$broker" {} +
   if [ -d "$data/sessions" ]; then
     find "$data/sessions" -mindepth 2 -maxdepth 2 -name files -type d \
-      -exec chown -h "$broker:$sandbox" {} + -exec chmod 1770 {} +
+      -exec chown -h "$broker${sandbox:+:$sandbox}" {} + -exec chmod 1770 {} +
   fi
 fi
 chmod 0700 "$data"

@@ -522,7 +522,8 @@ impl Broker {
     /// copy, so such a copy is placed again at every exec that names it.
     fn read_only_stays_as_placed(&self) -> bool {
         self.config.sandbox.file_transfer == crate::config::FileTransfer::Host
-            && crate::workspace::euid() != self.config.sandbox.sandbox_uid
+            && self.config.sandbox.sandbox_uids()
+                != crate::config::SandboxUids::Shared(crate::workspace::euid())
     }
 
     /// Deletes one file id: its record, its bytes when no other id needs them, and the

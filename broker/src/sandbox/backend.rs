@@ -132,8 +132,9 @@ pub(crate) trait SandboxBackend: Send + Sync {
     fn hands_over_pooled(&self) -> bool;
 
     /// Hands the sandbox of the pooled workspace `pooled` to the session of `session`,
-    /// with the session's files; an error leaves both as they were (the pooled sandbox is
-    /// then not used).
+    /// with the session's files; on an error the pooled sandbox is not used, and the
+    /// session keeps every file (in its own directory, or in the pooled one that took its
+    /// place if only handing them to the pooled sandbox's uid failed).
     fn take_pooled_workspace(&self, session: &Workspace, pooled: &Workspace) -> io::Result<()>;
 
     /// Brings a newly attached sandbox up to date with its session's files (moves that
@@ -153,7 +154,7 @@ impl SandboxBackend for DockerBackend {
         workspace: &Workspace,
         warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        DockerBackend::create(self, session_id, &workspace.files_dir(), warmup).await
+        DockerBackend::create(self, session_id, workspace, warmup).await
     }
 
     async fn adopt(&self, sandbox_id: &str) -> anyhow::Result<Sandbox> {
@@ -212,8 +213,8 @@ impl SandboxBackend for DockerBackend {
     ) -> io::Result<Stamp> {
         match self.file_transfer() {
             FileTransfer::Host => {
-                at.workspace
-                    .place_blob(blob, name, self.sandbox_uid(), read_only)
+                let owner = self.workspace_owner(&at.workspace)?;
+                at.workspace.place_blob(blob, name, owner, read_only)
             }
             FileTransfer::Runner => runner_files::place_file(
                 &at.workspace,
@@ -283,8 +284,11 @@ impl SandboxBackend for DockerBackend {
         // Whichever way files move, what a container mounts is the engine's business: the
         // directory behind the pooled container's mount becomes the session's (entries
         // are renamed, never opened), so a later container on the session's workspace
-        // sees what this one wrote.
-        session.take_files_dir_of(pooled)
+        // sees what this one wrote. The files the session's earlier sandboxes wrote, as
+        // other uids, become the pooled sandbox's.
+        session.take_files_dir_of(pooled)?;
+        let owner = self.workspace_owner(session)?;
+        session.hand_to(owner)
     }
 
     fn settle_files(

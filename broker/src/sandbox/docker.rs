@@ -1,10 +1,12 @@
 // Over 600 lines: the last quarter is the tests of the lockdown each sandbox gets.
 //! Sandboxes as Docker containers, driven through the Engine API (bollard).
 
-use super::backend::EngineObserver;
+use super::backend::{EngineObserver, SandboxUnavailable};
 use super::channel::AttachOutput;
+use super::uids::SandboxUidPool;
 use super::{labels, CpuWeight, RunnerChannel, Sandbox, Warmup};
-use crate::config::{SandboxProfile, SeccompChoice};
+use crate::config::{SandboxProfile, SandboxUids, SeccompChoice};
+use crate::workspace::Workspace;
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
 use bollard::models::{
@@ -18,7 +20,6 @@ use bollard::query_parameters::{
 };
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -50,6 +51,16 @@ const OOM_EVENT_WAIT: Duration = Duration::from_secs(2);
 
 /// The exit code of a container whose init was killed with SIGKILL (128 + 9).
 const EXIT_SIGKILL: i64 = 137;
+
+/// The name the sandbox's uid has in its account files.
+const SANDBOX_USER: &str = "sandbox";
+
+/// The accounts a sandbox has when the image's own cannot be read.
+const FALLBACK_PASSWD: &str = "root:x:0:0:root:/root:/usr/sbin/nologin\n\
+     nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
+
+/// The groups a sandbox has when the image's own cannot be read.
+const FALLBACK_GROUP: &str = "root:x:0:\nnogroup:x:65534:\n";
 
 /// A sandbox of ours found on the engine (a container, or a pod).
 #[derive(Debug, Clone)]
@@ -84,6 +95,51 @@ pub(crate) struct DockerBackend {
     /// Whether a running sandbox's CPU weight can be changed: false under gVisor, whose
     /// `runsc` refuses `docker update`, so the pool stops asking (and logging) per container.
     cpu_weight_settable: AtomicBool,
+    /// The uid each container runs as: one of its own, so that code escaping one sandbox
+    /// owns no other's processes or files.
+    uids: SandboxUidPool,
+    /// The image's `/etc/passwd` and `/etc/group`, read once: each sandbox gets them with
+    /// its own uid as `sandbox`, since programs that look their uid up (LibreOffice,
+    /// `whoami`, Node's `os.userInfo`) fail on a uid without an entry.
+    image_accounts: tokio::sync::OnceCell<Accounts>,
+}
+
+/// A sandbox's account files (`/etc/passwd`, `/etc/group`).
+#[derive(Debug, Clone)]
+struct Accounts {
+    /// The lines of `/etc/passwd`.
+    passwd: String,
+    /// The lines of `/etc/group`.
+    group: String,
+}
+
+impl Accounts {
+    /// These accounts, with `sandbox` (and any other entry of `uid`) replaced by `uid`'s,
+    /// home `/mnt/data`.
+    fn for_uid(&self, uid: u32) -> Accounts {
+        let uid_field = uid.to_string();
+        let keep = |text: &str, entry: String| {
+            let mut out: String = text
+                .lines()
+                .filter(|line| {
+                    let mut fields = line.split(':');
+                    let name = fields.next().unwrap_or_default();
+                    let id = fields.nth(1).unwrap_or_default();
+                    !line.trim().is_empty() && name != SANDBOX_USER && id != uid_field
+                })
+                .map(|line| format!("{line}\n"))
+                .collect();
+            out.push_str(&entry);
+            out
+        };
+        Accounts {
+            passwd: keep(
+                &self.passwd,
+                format!("{SANDBOX_USER}:x:{uid}:{uid}::{WORKDIR}:/bin/bash\n"),
+            ),
+            group: keep(&self.group, format!("{SANDBOX_USER}:x:{uid}:\n")),
+        }
+    }
 }
 
 /// Whether `runtime` (the `HostConfig.Runtime` name) is gVisor's, by its usual names.
@@ -120,6 +176,7 @@ impl DockerBackend {
         };
         let seccomp = seccomp_option(&profile.seccomp)?;
         let profile_runtime = profile.runtime.clone();
+        let uids = SandboxUidPool::new(profile.sandbox_uids());
         Ok(DockerBackend {
             docker,
             profile,
@@ -128,6 +185,8 @@ impl DockerBackend {
             host_memory,
             seccomp,
             cpu_weight_settable: AtomicBool::new(!is_gvisor(&profile_runtime)),
+            uids,
+            image_accounts: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -136,9 +195,19 @@ impl DockerBackend {
         self.profile.file_transfer
     }
 
-    /// The uid code runs as in the sandboxes, who owns the files placed for it.
-    pub(super) fn sandbox_uid(&self) -> u32 {
-        self.profile.sandbox_uid
+    /// Who the files placed in `workspace` for its code belong to: the one sandbox uid, or
+    /// the uid the workspace was last handed to (its sandbox's), or else the range's
+    /// first, which no sandbox runs as (the next sandbox is handed them all).
+    pub(super) fn workspace_owner(&self, workspace: &Workspace) -> std::io::Result<u32> {
+        match self.profile.sandbox_uids() {
+            SandboxUids::Shared(uid) => Ok(uid),
+            SandboxUids::Own(range) => {
+                let handed = workspace.handed_to()?;
+                Ok(Some(handed)
+                    .filter(|uid| range.contains(*uid))
+                    .unwrap_or(range.first))
+            }
+        }
     }
 
     /// Counts one failed Engine API call of `op`.
@@ -159,7 +228,12 @@ impl DockerBackend {
     }
 
     /// What `docker create` gets for a session's sandbox: the lockdown SECURITY.md describes ("Layers").
-    fn container_body(&self, session_id: &str, workspace: &Path) -> ContainerCreateBody {
+    fn container_body(
+        &self,
+        session_id: &str,
+        workspace: &Workspace,
+        uid: u32,
+    ) -> ContainerCreateBody {
         let c = &self.profile;
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -169,6 +243,7 @@ impl DockerBackend {
             (labels::INSTANCE.to_string(), c.instance.clone()),
             (labels::SESSION.to_string(), session_id.to_string()),
             (labels::CREATED.to_string(), created.to_string()),
+            (labels::UID.to_string(), uid.to_string()),
         ]);
         // Bounded at parse (at most 1 TiB), so this cannot overflow.
         let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
@@ -196,7 +271,11 @@ impl DockerBackend {
             hard: Some(value),
         };
         let host_config = HostConfig {
-            binds: Some(vec![format!("{}:{WORKDIR}:rw", workspace.display())]),
+            binds: Some(vec![
+                format!("{}:{WORKDIR}:rw", workspace.files_dir().display()),
+                format!("{}:/etc/passwd:ro", workspace.sandbox_passwd().display()),
+                format!("{}:/etc/group:ro", workspace.sandbox_group().display()),
+            ]),
             network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
             cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
             // Whatever the capabilities: setuid binaries and file capabilities in the
@@ -230,13 +309,16 @@ impl DockerBackend {
                 .map(str::to_string),
             ..Default::default()
         };
-        let uid = c.sandbox_uid;
         ContainerCreateBody {
             image: Some(c.image.clone()),
             user: Some(format!("{uid}:{uid}")),
             working_dir: Some(WORKDIR.to_string()),
             env: Some(vec![
                 format!("HOME={WORKDIR}"),
+                // The uid has no entry in the image's /etc/passwd: the name is what
+                // programs that ask (Python's getpass) read instead.
+                "USER=sandbox".to_string(),
+                "LOGNAME=sandbox".to_string(),
                 // The runner watches the workspace against these during each exec.
                 format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
                 format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
@@ -261,26 +343,56 @@ impl DockerBackend {
         }
     }
 
-    /// Creates and starts a sandbox for `session_id` on `workspace` (a host directory),
-    /// attached before it starts so no frame is missed, and waits for its runner to answer.
+    /// Creates and starts a sandbox for `session_id` on `workspace`, attached before it
+    /// starts so no frame is missed, and waits for its runner to answer. The sandbox gets
+    /// a uid no live sandbox has, and the workspace's files are handed to it first: the
+    /// session's earlier sandboxes wrote them as other uids.
     pub(crate) async fn create(
         &self,
         session_id: &str,
-        workspace: &Path,
+        workspace: &Workspace,
         warmup: Warmup,
     ) -> anyhow::Result<Sandbox> {
-        let body = self.container_body(session_id, workspace);
+        let uid = self
+            .uids
+            .take()
+            .map_err(|e| anyhow::Error::new(SandboxUnavailable(e.to_string())))?;
         let t0 = std::time::Instant::now();
-        let created = self
-            .docker
-            .create_container(
-                None::<bollard::query_parameters::CreateContainerOptions>,
-                body,
-            )
+        let accounts = self.image_accounts().await.for_uid(uid);
+        let handed = {
+            let workspace = workspace.clone();
+            tokio::task::spawn_blocking(move || {
+                workspace.hand_to(uid)?;
+                workspace.write_accounts(accounts.passwd.as_bytes(), accounts.group.as_bytes())
+            })
             .await
-            .inspect_err(|_| self.failed("create"))
-            .context("docker create failed")?;
-        let id = created.id;
+        };
+        let t_hand = t0.elapsed();
+        let created = match handed {
+            Ok(Ok(())) => {
+                let body = self.container_body(session_id, workspace, uid);
+                self.docker
+                    .create_container(
+                        None::<bollard::query_parameters::CreateContainerOptions>,
+                        body,
+                    )
+                    .await
+                    .inspect_err(|_| self.failed("create"))
+                    .context("docker create failed")
+            }
+            Ok(Err(err)) => Err(anyhow::Error::new(err).context(format!(
+                "cannot hand the workspace of {session_id} to uid {uid}"
+            ))),
+            Err(err) => Err(anyhow!("handing a workspace to uid {uid} failed: {err}")),
+        };
+        let id = match created {
+            Ok(created) => created.id,
+            Err(err) => {
+                self.uids.untake(uid);
+                return Err(err);
+            }
+        };
+        self.uids.bind(&id, uid);
         let t_create = t0.elapsed();
         let sandbox = async {
             let channel = self.attach_channel(&id).await?;
@@ -302,7 +414,9 @@ impl DockerBackend {
             // Where a start's time goes, for profiling bursts (see docs/PERFORMANCE.md).
             tracing::debug!(
                 container = %short(&id),
-                create = ?t_create,
+                uid,
+                hand = ?t_hand,
+                create = ?(t_create - t_hand),
                 attach = ?(t_attach - t_create),
                 start = ?(t_start - t_attach),
                 hello = ?(t0.elapsed() - t_start),
@@ -316,6 +430,30 @@ impl DockerBackend {
             self.remove(&id).await;
         }
         sandbox
+    }
+
+    /// The image's account files, read at the first start of a sandbox (the minimal ones
+    /// if the image has none: a sandbox still starts).
+    async fn image_accounts(&self) -> &Accounts {
+        self.image_accounts
+            .get_or_init(|| async {
+                let read = |path| async move {
+                    self.read_image_file(path)
+                        .await
+                        .ok()
+                        .and_then(|bytes| String::from_utf8(bytes).ok())
+                };
+                let passwd = read("/etc/passwd").await;
+                let group = read("/etc/group").await;
+                if passwd.is_none() || group.is_none() {
+                    tracing::warn!(image = %self.profile.image, "cannot read the image's /etc/passwd and /etc/group: sandboxes get minimal ones");
+                }
+                Accounts {
+                    passwd: passwd.unwrap_or_else(|| FALLBACK_PASSWD.to_string()),
+                    group: group.unwrap_or_else(|| FALLBACK_GROUP.to_string()),
+                }
+            })
+            .await
     }
 
     /// Re-attaches to a running container of ours (after a broker restart).
@@ -389,14 +527,14 @@ impl DockerBackend {
             .force(true)
             .v(true)
             .build();
-        if let Err(err) = self.docker.remove_container(id, Some(options)).await {
-            if !matches!(
-                err,
-                bollard::errors::Error::DockerResponseServerError {
-                    status_code: 404,
-                    ..
-                }
-            ) {
+        match self.docker.remove_container(id, Some(options)).await {
+            // Gone: its uid may serve another sandbox. A container that may still exist
+            // keeps its uid, until a later removal (the reconciler's) succeeds.
+            Ok(_)
+            | Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => self.uids.release(id),
+            Err(err) => {
                 self.failed("remove");
                 tracing::warn!(container = %short(id), error = %err, "cannot remove container");
             }
@@ -497,6 +635,16 @@ impl DockerBackend {
                     .labels
                     .as_ref()
                     .and_then(|l| l.get(labels::SESSION).cloned());
+                // Whatever becomes of the container, its uid is not handed out while it
+                // may run.
+                if let Some(uid) = c
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(labels::UID))
+                    .and_then(|uid| uid.parse().ok())
+                {
+                    self.uids.hold(&id, uid);
+                }
                 let running = c.state.map(|s| s.to_string() == "running").unwrap_or(false);
                 Some(OwnContainer {
                     id,
@@ -621,6 +769,7 @@ pub(crate) fn short(id: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::Config;
+    use std::path::Path;
 
     #[test]
     fn heartbeats_come_at_least_four_times_within_the_unattended_limit() {
@@ -638,12 +787,40 @@ mod tests {
         DockerBackend {
             docker: bollard::Docker::connect_with_local_defaults().expect("client"),
             seccomp: seccomp_option(&config.sandbox.seccomp).expect("seccomp profile"),
+            uids: SandboxUidPool::new(config.sandbox.sandbox_uids()),
+            image_accounts: tokio::sync::OnceCell::new(),
             profile: config.sandbox,
             idle_ttl_secs: config.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             host_memory: None,
             cpu_weight_settable: AtomicBool::new(true),
         }
+    }
+
+    #[test]
+    fn each_sandbox_is_named_in_its_account_files_under_its_own_uid() {
+        let image = Accounts {
+            passwd: "root:x:0:0:root:/root:/bin/bash\n\nnobody:x:65534:65534::/:/bin/false\n\
+                     sandbox:x:10001:10001::/mnt/data:/bin/bash\nold:x:200123:1::/:/bin/sh"
+                .to_string(),
+            group: "root:x:0:\nsandbox:x:10001:\n".to_string(),
+        };
+        let mine = image.for_uid(200_123);
+        assert_eq!(
+            mine.passwd,
+            "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/:/bin/false\n\
+             sandbox:x:200123:200123::/mnt/data:/bin/bash\n"
+        );
+        assert_eq!(mine.group, "root:x:0:\nsandbox:x:200123:\n");
+        let fallback = Accounts {
+            passwd: FALLBACK_PASSWD.into(),
+            group: FALLBACK_GROUP.into(),
+        }
+        .for_uid(10001);
+        assert!(fallback
+            .passwd
+            .ends_with("sandbox:x:10001:10001::/mnt/data:/bin/bash\n"));
+        assert!(fallback.passwd.starts_with("root:x:0:0:"));
     }
 
     #[test]
@@ -692,7 +869,11 @@ mod tests {
     #[tokio::test]
     async fn the_profile_is_locked_down_and_names_the_runtime() {
         let mut config = Config::for_tests("/data".into(), "t");
-        let body = backend(config.clone()).container_body("s", Path::new("/data/s/files"));
+        let body = backend(config.clone()).container_body(
+            "s",
+            &Workspace::new(Path::new("/data"), "s"),
+            200_123,
+        );
         let host = body.host_config.expect("host config");
         assert_eq!(host.runtime, None, "the daemon's default runtime");
         assert_eq!(host.cap_drop, Some(vec!["ALL".to_string()]));
@@ -712,13 +893,20 @@ mod tests {
         assert_eq!(host.readonly_rootfs, Some(true));
         assert_eq!(
             host.binds,
-            Some(vec![format!("/data/s/files:{WORKDIR}:rw")])
+            Some(vec![
+                format!("/data/sessions/s/files:{WORKDIR}:rw"),
+                "/data/sessions/s/sandbox-passwd:/etc/passwd:ro".to_string(),
+                "/data/sessions/s/sandbox-group:/etc/group:ro".to_string(),
+            ])
         );
-        assert_eq!(body.user.as_deref(), Some("10001:10001"));
+        assert_eq!(body.user.as_deref(), Some("200123:200123"));
+        let labels = body.labels.expect("labels");
+        assert_eq!(labels[labels::UID], "200123", "read back after a restart");
         assert_eq!(host.cpu_shares, None, "the engine's default weight");
 
         config.sandbox.runtime = " runsc ".into();
-        let body = backend(config).container_body("s", Path::new("/data/s/files"));
+        let body =
+            backend(config).container_body("s", &Workspace::new(Path::new("/data"), "s"), 10001);
         assert_eq!(
             body.host_config.expect("host config").runtime.as_deref(),
             Some("runsc")
@@ -730,7 +918,8 @@ mod tests {
         let mut config = Config::for_tests("/data".into(), "t");
         config.sandbox.drop_capabilities = false;
         config.sandbox.seccomp = SeccompChoice::Daemon;
-        let body = backend(config).container_body("s", Path::new("/data/s/files"));
+        let body =
+            backend(config).container_body("s", &Workspace::new(Path::new("/data"), "s"), 10001);
         let host = body.host_config.expect("host config");
         assert_eq!(host.cap_drop, None);
         assert_eq!(

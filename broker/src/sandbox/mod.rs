@@ -7,6 +7,7 @@ pub(crate) mod docker;
 pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
+pub(crate) mod uids;
 
 pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
@@ -24,6 +25,8 @@ pub(crate) mod labels {
     pub(crate) const SESSION: &str = "codebroker.session";
     /// Unix seconds when the container was created.
     pub(crate) const CREATED: &str = "codebroker.created";
+    /// The uid the container's code runs as, so that a restarted broker holds it again.
+    pub(crate) const UID: &str = "codebroker.uid";
 }
 
 /// What a new sandbox's runner does before its first exec.

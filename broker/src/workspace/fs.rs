@@ -2,7 +2,7 @@
 //! sandbox, atomic writes.
 
 use crate::ids::new_id;
-use cap_fs_ext::{FollowSymlinks, OpenOptionsFollowExt};
+use cap_fs_ext::{DirExt, FollowSymlinks, OpenOptionsFollowExt};
 use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt};
 use sha2::{Digest, Sha256};
 use std::io::{self, Read};
@@ -143,6 +143,44 @@ pub(super) fn hand_to_sandbox(fd: impl std::os::fd::AsFd, sandbox_uid: u32) -> i
     std::os::unix::fs::fchown(fd, Some(sandbox_uid), Some(sandbox_uid))
 }
 
+/// How deep [`reown_beneath`] goes into a workspace: far below what any program makes,
+/// and a bound on the directories it holds open at once.
+const MAX_REOWN_DEPTH: usize = 256;
+
+/// Hands everything beneath `dir` that the sandboxes own to `uid` (owner and group), never
+/// following a link (a link is re-owned itself). What the broker owns stays its own: its
+/// read-only files, and the protected directories on their way, which only take the group
+/// `uid`. Entries deeper than [`MAX_REOWN_DEPTH`] are left as they are (counted).
+/// Returns how many entries were left.
+pub(super) fn reown_beneath(dir: &Dir, uid: u32, depth: usize) -> io::Result<u64> {
+    use rustix::fs::{AtFlags, FileType, Gid, Uid};
+    let me = euid();
+    let owner = (Some(Uid::from_raw(uid)), Some(Gid::from_raw(uid)));
+    let mut left = 0;
+    for entry in dir.entries()? {
+        let name = entry?.file_name();
+        let stat = rustix::fs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW)?;
+        let is_dir = FileType::from_raw_mode(stat.st_mode) == FileType::Directory;
+        if stat.st_uid == me {
+            // The broker's own: a protected directory takes the sandbox's group.
+            if is_dir && stat.st_gid != uid {
+                rustix::fs::chownat(dir, &name, None, owner.1, AtFlags::SYMLINK_NOFOLLOW)?;
+            }
+        } else if (stat.st_uid, stat.st_gid) != (uid, uid) {
+            rustix::fs::chownat(dir, &name, owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)?;
+        }
+        if is_dir {
+            if depth >= MAX_REOWN_DEPTH {
+                left += 1;
+                continue;
+            }
+            let sub = dir.open_dir_nofollow(&name)?;
+            left += reown_beneath(&sub, uid, depth + 1)?;
+        }
+    }
+    Ok(left)
+}
+
 /// Copies `src` to `dst` while hashing; `None` when more than `max_bytes` came.
 pub(crate) fn copy_hashing(
     src: &mut impl Read,
@@ -169,6 +207,12 @@ pub(crate) fn copy_hashing(
 
 /// Writes `path` through a temporary file created 0600, then renamed over it.
 pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_atomic_mode(path, bytes, 0o600)
+}
+
+/// Writes `path` through a temporary file created 0600 and given `mode` (whatever the
+/// umask), then renamed over it.
+pub(super) fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let tmp = path.with_extension(format!("tmp-{}", new_id()));
@@ -177,6 +221,12 @@ pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         .create_new(true)
         .mode(0o600)
         .open(&tmp)?;
+    if mode != 0o600 {
+        if let Err(e) = rustix::fs::fchmod(&file, rustix::fs::Mode::from_raw_mode(mode)) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e.into());
+        }
+    }
     if let Err(e) = file.write_all(bytes) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);

@@ -16,7 +16,11 @@
 //! it from unlinking or renaming what it does not own. Read-only uploads are the broker's
 //! files, mode 0444, in directories that are the broker's and sticky as well; so, when the
 //! broker's uid is not the sandbox's, code can read them but not change, replace, move or
-//! delete them.
+//! delete them. Each sandbox has a uid of its own (`crate::sandbox::uids`), so a session's
+//! next sandbox is handed the workspace before it starts (`Workspace::hand_to`): what the
+//! earlier ones wrote becomes its uid's, and `files/` takes its group. Without a live
+//! sandbox a workspace stays with the last uid it was handed to; its 0700 parent keeps
+//! that uid, once given to another sandbox, out of it.
 
 mod blobs;
 mod fs;
@@ -31,7 +35,7 @@ pub(crate) use state::SavedState;
 
 use cap_std::ambient_authority;
 use cap_std::fs::{Dir, MetadataExt};
-use fs::{dir_flags, open_regular, protect_dir, write_atomic};
+use fs::{dir_flags, open_regular, protect_dir, write_atomic, write_atomic_mode};
 use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -81,6 +85,50 @@ impl Workspace {
         }
         let files = rustix::fs::open(self.files_dir(), dir_flags(), rustix::fs::Mode::empty())?;
         protect_dir(&files, sandbox_uid)
+    }
+
+    /// Hands the files directory to the sandbox about to mount it, which runs as `uid`:
+    /// `files/` takes the group `uid`, and whatever earlier sandboxes of the session (each
+    /// with a uid of its own) left in it becomes `uid`'s, so that the new sandbox may
+    /// change it; the broker's read-only files stay the broker's. Nothing to do for a
+    /// broker that runs as `uid` itself. Call it while no sandbox runs on the directory.
+    pub(crate) fn hand_to(&self, uid: u32) -> io::Result<()> {
+        let files = rustix::fs::open(self.files_dir(), dir_flags(), rustix::fs::Mode::empty())?;
+        protect_dir(&files, uid)?;
+        if euid() == uid {
+            return Ok(());
+        }
+        let dir = Dir::from_std_file(std::fs::File::from(files));
+        let left = fs::reown_beneath(&dir, uid, 0)?;
+        if left > 0 {
+            tracing::warn!(workspace = %self.root.display(), uid, left, "directories nested too deep were not handed to the new sandbox");
+        }
+        Ok(())
+    }
+
+    /// The `/etc/passwd` its sandbox sees (see [`Workspace::write_accounts`]).
+    pub(crate) fn sandbox_passwd(&self) -> PathBuf {
+        self.root.join("sandbox-passwd")
+    }
+
+    /// The `/etc/group` its sandbox sees.
+    pub(crate) fn sandbox_group(&self) -> PathBuf {
+        self.root.join("sandbox-group")
+    }
+
+    /// Writes the account files the next sandbox mounts read-only at `/etc/passwd` and
+    /// `/etc/group` (its uid changes from one sandbox to the next): the broker's, mode
+    /// 0444, beside the metadata, out of the sandbox's reach otherwise.
+    pub(crate) fn write_accounts(&self, passwd: &[u8], group: &[u8]) -> io::Result<()> {
+        write_atomic_mode(&self.sandbox_passwd(), passwd, 0o444)?;
+        write_atomic_mode(&self.sandbox_group(), group, 0o444)
+    }
+
+    /// The uid the files directory was last handed to (its group): the live sandbox's,
+    /// the one before it, or the range's first, which no sandbox runs as.
+    pub(crate) fn handed_to(&self) -> io::Result<u32> {
+        use std::os::unix::fs::MetadataExt as _;
+        Ok(std::fs::symlink_metadata(self.files_dir())?.gid())
     }
 
     /// Reads `index.json`; a missing one is an empty index.
@@ -282,6 +330,67 @@ mod tests {
                 SANDBOX
             );
         }
+    }
+
+    #[test]
+    fn a_new_sandbox_uid_is_handed_what_older_ones_wrote_but_not_the_brokers_files() {
+        if euid() != 0 {
+            // Handing files to another uid takes root (or the broker image's capabilities).
+            return;
+        }
+        use std::os::unix::fs::MetadataExt as _;
+        let (old, new) = (300_001, 300_002);
+        let owner = |path: &Path| {
+            let meta = std::fs::symlink_metadata(path).expect("metadata");
+            (meta.uid(), meta.gid())
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = Workspace::new(dir.path(), "s");
+        ws.create(300_000).expect("create");
+        ws.hand_to(old).expect("hand");
+        assert_eq!(ws.handed_to().expect("gid"), old);
+        let blob = dir.path().join("blob");
+        std::fs::write(&blob, "# skill").expect("blob");
+        ws.place_blob(&blob, Path::new("skills/pptx/SKILL.md"), old, true)
+            .expect("place");
+        ws.place_blob(&blob, Path::new("skills/pptx/notes.md"), old, false)
+            .expect("place");
+        // What the old sandbox made: a deep file, a link out, a private directory.
+        let files = ws.files_dir();
+        std::fs::create_dir_all(files.join("a/b/c")).expect("mkdir");
+        std::fs::write(files.join("a/b/c/deep.txt"), "d").expect("write");
+        std::os::unix::fs::symlink("/etc/passwd", files.join("link")).expect("symlink");
+        for path in ["a", "a/b", "a/b/c", "a/b/c/deep.txt", "link"] {
+            std::os::unix::fs::lchown(files.join(path), Some(old), Some(old)).expect("chown");
+        }
+        std::fs::set_permissions(
+            files.join("a/b"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .expect("chmod");
+        let passwd = owner(Path::new("/etc/passwd"));
+
+        ws.hand_to(new).expect("hand");
+
+        assert_eq!(ws.handed_to().expect("gid"), new);
+        assert_eq!(owner(&files), (0, new));
+        for path in [
+            "a",
+            "a/b",
+            "a/b/c",
+            "a/b/c/deep.txt",
+            "link",
+            "skills/pptx/notes.md",
+        ] {
+            assert_eq!(owner(&files.join(path)), (new, new), "{path}");
+        }
+        // The broker's stay its own; their protected directories take the new group.
+        assert_eq!(owner(&files.join("skills/pptx/SKILL.md")).0, 0);
+        assert_eq!(owner(&files.join("skills")), (0, new));
+        assert_eq!(owner(&files.join("skills/pptx")), (0, new));
+        assert_eq!(owner_mode(&files.join("skills/pptx")), (0, 0o1770));
+        // The link was re-owned itself, never followed.
+        assert_eq!(owner(Path::new("/etc/passwd")), passwd);
     }
 
     #[test]

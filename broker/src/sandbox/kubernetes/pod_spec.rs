@@ -102,7 +102,7 @@ pub(crate) fn sandbox_pod(
     session_id: &str,
 ) -> Pod {
     let labels = sandbox_labels(profile, session_id);
-    let uid = i64::from(profile.sandbox_uid);
+    let uid = i64::from(profile.pod_uid());
     let mut limits = BTreeMap::from([
         (
             "memory".to_string(),
