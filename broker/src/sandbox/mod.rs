@@ -7,6 +7,8 @@ pub(crate) mod docker;
 pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
+#[cfg(test)]
+mod seccomp_tests;
 
 pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
