@@ -341,8 +341,8 @@ async fn a_memory_bomb_reports_out_of_memory_and_the_runner_survives() {
 
 /// Several sandboxes at their memory limit at once, two rounds: each is reported out of
 /// memory. Under gVisor the OOM killer then sometimes takes one of gVisor's own processes
-/// instead of its kernel, and that sandbox exits with another code than 137 (2 seen in one
-/// of eight here); the engine's `oom` event still says what happened.
+/// instead of its kernel, and that sandbox exits with another code than 137 (2 here, for
+/// one to four of the eight); the engine's `oom` event still says what happened.
 #[tokio::test]
 async fn memory_bombs_in_several_sandboxes_at_once_each_report_out_of_memory() {
     let broker = TestBroker::start_with("membombs", |c| c.sandbox.memory_mb = 256).await;

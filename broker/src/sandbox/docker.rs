@@ -550,9 +550,9 @@ impl DockerBackend {
 
 /// Whether a container has stopped with a failing exit code: how one ended by the OOM
 /// killer looks, given an `oom` event. Not only 137 (SIGKILL): under runsc the killer
-/// may take one of gVisor's own processes (the gofer, a stub) rather than its kernel,
-/// and the sandbox then exits with another code (2 seen here, one sandbox in eight when
-/// several hit their limit at once).
+/// may take one of gVisor's own processes rather than its kernel, and the sandbox then
+/// exits with another code (2 here, for one to four of eight sandboxes that hit their
+/// limit at once).
 fn stopped_failing(state: &bollard::models::ContainerState) -> bool {
     state.running != Some(true) && state.exit_code.is_some_and(|code| code != 0)
 }
