@@ -298,8 +298,9 @@ pub struct SandboxProfile {
     pub drop_capabilities: bool,
 
     /// The sandboxes' syscall filter: `builtin` (the broker's own profile: Docker's
-    /// default less io_uring and every socket family but AF_UNIX, AF_INET, AF_INET6 and
-    /// AF_NETLINK; see SECURITY.md), `daemon` (whatever the Docker daemon applies by
+    /// default less io_uring, ptrace, process_vm_*, sync and the TIOCSTI, TIOCSETD and
+    /// TIOCLINUX ioctls; sockets of AF_UNIX, of AF_INET and AF_INET6 with TCP or UDP, and
+    /// of AF_NETLINK with NETLINK_ROUTE only; see SECURITY.md), `daemon` (whatever the Docker daemon applies by
     /// default, which a daemon started with `seccomp=unconfined` turns off), or the path
     /// of a seccomp profile (JSON, Docker's format), read at start-up.
     #[arg(long, env = "CODEBROKER_SECCOMP", default_value = "builtin")]
