@@ -276,9 +276,14 @@ async fn upstream_results_are_capped() {
 }
 
 /// A `stdio:` upstream server runs as neither the broker's uid nor root, in no
-/// supplementary group, with every capability set empty.
+/// supplementary group, with every capability set empty. As root here; the broker image's
+/// way (uid 10002 with CAP_SETUID and CAP_SETGID permitted only) is this test run under
+/// `setpriv --reuid=10002 --regid=10002 --clear-groups --inh-caps=-all,+setuid,+setgid
+/// --ambient-caps=-all,+setuid,+setgid`.
 #[tokio::test]
 async fn stdio_upstreams_run_as_their_own_uid() {
+    // As the broker does at start: CAP_SETUID and CAP_SETGID leave the effective set.
+    codebroker::settle_capabilities().expect("settle the capabilities");
     let (_dir, script) = server_script();
     let mode = stdio_mode(&script);
     let who = bridge_call(&mode, "who.whoami", json!({})).await;
