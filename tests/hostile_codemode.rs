@@ -164,6 +164,80 @@ async fn parallel_fetches_are_bounded_per_exec() {
     assert_eq!(next["error"], Value::Null, "{next}");
 }
 
+/// 128 parallel POSTs of a 1 MiB body to a slow endpoint: the calls waiting for their turn
+/// do not pile their inputs up in the broker (RSS growth under 64 MiB); those past the
+/// queue get an error that says so, and the next exec works.
+#[tokio::test]
+async fn waiting_calls_are_bounded_per_exec() {
+    let router = axum::Router::new().route(
+        "/slow",
+        axum::routing::post(|| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            "done"
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let broker = TestBroker::start_with("hcm-wait", move |config| {
+        config.code_mode.codemode = true;
+        config.code_mode.codemode_http_allow = vec![format!("127.0.0.1:{port}")];
+        config.code_mode.codemode_timeout_ms = 120_000;
+    })
+    .await;
+    let client = mcp_client::connect(&broker, None).await.expect("connect");
+    let url = format!("http://127.0.0.1:{port}/slow");
+    let one =
+        format!("return await codemode.http.fetch({{url: '{url}', method: 'POST', body: 'x'}});");
+    let warm = execute(&client, &one).await;
+    assert_eq!(warm["result"]["body"], "done", "{warm}");
+
+    let baseline = rss_bytes();
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(baseline));
+    let sampling = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let code = format!(
+        "const url = '{url}';\n\
+         const body = 'x'.repeat((1 << 20) - 16);\n\
+         let ok = 0, failed = 0, firstError = null;\n\
+         const settled = await Promise.allSettled(Array.from({{length: 128}},\n\
+           () => codemode.http.fetch({{url, method: 'POST', body}})));\n\
+         for (const s of settled) {{\n\
+           if (s.status === 'fulfilled') ok++;\n\
+           else {{ failed++; firstError ??= String(s.reason && s.reason.message || s.reason); }}\n\
+         }}\n\
+         return {{ok, failed, firstError}};"
+    );
+    let flood = execute(&client, &code).await;
+    peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+    sampling.abort();
+    let growth = peak.load(Ordering::SeqCst).saturating_sub(baseline);
+    eprintln!("waiting: {flood}; RSS growth {} MiB", growth >> 20);
+    assert!(
+        growth < 64 << 20,
+        "RSS grew by {} MiB: {flood}",
+        growth >> 20
+    );
+    assert!(flood["result"]["ok"].as_u64() > Some(0), "{flood}");
+    assert!(flood["result"]["failed"].as_u64() > Some(0), "{flood}");
+    let first_error = flood["result"]["firstError"].as_str().unwrap_or_default();
+    assert!(first_error.contains("wait"), "{flood}");
+
+    let next = execute(&client, &one).await;
+    assert_eq!(next["result"]["body"], "done", "{next}");
+}
+
 /// A binary body is passed whole, as base64, not as a lossy text copy; a UTF-8 one as text.
 #[tokio::test]
 async fn binary_bodies_come_as_base64() {

@@ -48,6 +48,12 @@ const EVENT_QUEUE: usize = 16;
 /// turn, in the order made. Each holds up to a body or a result, so this (with the result
 /// queue of the same size) bounds what one `execute` makes the broker hold.
 const MAX_CALLS_IN_FLIGHT: usize = 8;
+/// Calls of one `execute` that may wait for their turn (the runner lets 256 be made at
+/// once); one more is refused at once.
+const MAX_CALLS_WAITING: usize = 256;
+/// Bytes of input (as JSON) the waiting calls of one `execute` may hold: a call that would
+/// pass them is refused at once, unless none waits.
+const MAX_WAITING_INPUT_BYTES: u64 = 16 << 20;
 
 /// The bytes of function results one `execute` may still receive
 /// (`CODEBROKER_CODEMODE_MAX_RESULT_BYTES`), shared by its calls. As with displays, the
@@ -385,6 +391,8 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         // MAX_CALLS_IN_FLIGHT at once; the tasks end with this one.
         let server = tokio::spawn(async move {
             let in_flight = Arc::new(Semaphore::new(MAX_CALLS_IN_FLIGHT));
+            // Bytes of input of the calls waiting for their turn.
+            let waiting = Arc::new(AtomicU64::new(0));
             let mut answering = tokio::task::JoinSet::new();
             while let Some(call) = calls_rx.recv().await {
                 while answering.try_join_next().is_some() {}
@@ -401,11 +409,33 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
                         .await;
                     continue;
                 }
-                let Ok(turn) = in_flight.clone().acquire_owned().await else {
-                    break;
-                };
+                let size = json_size(&call.input);
+                let queued = waiting.load(Ordering::SeqCst);
+                if answering.len() >= MAX_CALLS_IN_FLIGHT + MAX_CALLS_WAITING
+                    || (queued > 0 && queued + size > MAX_WAITING_INPUT_BYTES)
+                {
+                    let _ = results_tx
+                        .send(ToolResult {
+                            call_id: call.call_id,
+                            result: Value::Null,
+                            is_error: true,
+                            error_message: Some(format!(
+                                "Too many calls wait for their turn: {MAX_CALLS_IN_FLIGHT} run \
+                                 at once, and at most {MAX_CALLS_WAITING} calls with \
+                                 {MAX_WAITING_INPUT_BYTES} bytes of input wait"
+                            )),
+                        })
+                        .await;
+                    continue;
+                }
+                waiting.fetch_add(size, Ordering::SeqCst);
                 let (mode, results, budget) = (mode.clone(), results_tx.clone(), budget.clone());
+                let (in_flight, waiting) = (in_flight.clone(), waiting.clone());
+                // The semaphore is fair: calls take their turns in the order made.
                 answering.spawn(async move {
+                    let turn = in_flight.acquire_owned().await;
+                    waiting.fetch_sub(size, Ordering::SeqCst);
+                    let Ok(turn) = turn else { return };
                     let result = mode.serve_within(call, &budget).await;
                     let _ = results.send(result).await;
                     drop(turn);
