@@ -267,7 +267,7 @@ async fn binary_bodies_come_as_base64() {
 /// A minimal MCP server on stdio with two tools: `whoami` (this process's uid, gids,
 /// groups and capability sets, from `/proc/self/status`) and `big` (a text of `n` bytes).
 const STDIO_SERVER: &str = r#"
-import json, sys
+import json, os, sys
 for line in sys.stdin:
     msg = json.loads(line)
     if "id" not in msg:
@@ -287,6 +287,8 @@ for line in sys.stdin:
             key, _, value = l.partition(":")
             if key in ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs"):
                 status[key] = value.strip()
+        status["HOME"] = os.environ.get("HOME", "")
+        status["HOME writable"] = os.access(status["HOME"], os.W_OK)
         result = {"content": [{"type": "text", "text": json.dumps(status)}], "structuredContent": status}
     elif method == "tools/call":
         n = msg["params"].get("arguments", {}).get("n", 0)
@@ -387,4 +389,11 @@ async fn stdio_upstreams_run_as_their_own_uid() {
     for set in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {
         assert_eq!(status[set], "0000000000000000", "{set}: {status}");
     }
+    // A home of its own to write (caches), not the broker's.
+    assert_eq!(status["HOME writable"], true, "{status}");
+    assert_ne!(
+        status["HOME"].as_str(),
+        std::env::var("HOME").ok().as_deref(),
+        "{status}"
+    );
 }

@@ -703,7 +703,8 @@ pub struct CodeModeConfig {
     /// group and with no capabilities: not the broker's, which owns every session's data
     /// and may reach the Docker socket. The broker needs root or CAP_SETUID and
     /// CAP_SETGID to switch (the broker image gives it them); set this to the broker's
-    /// own uid to run them as the broker instead. Neither 0 nor the sandbox uid.
+    /// own uid to run them as the broker instead. Their `HOME` is then a directory of
+    /// their own, `$TMPDIR/codebroker-mcp-<uid>`. Neither 0 nor the sandbox uid.
     #[arg(long, env = "CODEBROKER_CODEMODE_MCP_UID", default_value_t = 10003)]
     pub codemode_mcp_uid: u32,
 

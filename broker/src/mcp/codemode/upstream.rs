@@ -61,6 +61,27 @@ pub(super) fn parse_server(entry: &str) -> Result<(String, Target), String> {
     Err(format!("{name}: expected an http(s) URL or stdio:command"))
 }
 
+/// A home directory of `uid`'s own for `stdio:` upstream servers (`$TMPDIR/codebroker-mcp-<uid>`,
+/// mode 0700), made on first use; one that is not a directory of `uid`'s is refused.
+fn upstream_home(uid: u32) -> Result<std::path::PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let home = std::env::temp_dir().join(format!("codebroker-mcp-{uid}"));
+    let fail = |e: std::io::Error| format!("cannot make {}: {e}", home.display());
+    match std::fs::DirBuilder::new().mode(0o700).create(&home) {
+        Ok(()) => std::os::unix::fs::chown(&home, Some(uid), Some(uid)).map_err(fail)?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(fail(e)),
+    }
+    let meta = std::fs::symlink_metadata(&home).map_err(fail)?;
+    if !meta.is_dir() || meta.uid() != uid {
+        return Err(format!(
+            "{} is not a directory of uid {uid}",
+            home.display()
+        ));
+    }
+    Ok(home)
+}
+
 /// One connected upstream MCP server.
 pub(super) struct Upstream {
     /// Its name in `codemode.<name>`.
@@ -179,6 +200,11 @@ impl CodeMode {
                         if let Some(value) = std::env::var_os(name) {
                             command.env(name, value);
                         }
+                    }
+                    if switch {
+                        // The broker's HOME is not the upstream uid's to write (npx and
+                        // uvx keep their caches there).
+                        command.env("HOME", upstream_home(uid)?);
                     }
                     let transport = TokioChildProcess::new(command).map_err(|e| e.to_string())?;
                     ClientConfig::default()
