@@ -380,7 +380,7 @@ for line in sys.stdin:
 /// (no sandbox needed: the broker answers the call itself).
 #[tokio::test]
 async fn stdio_upstream_servers_are_called() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = readable_tempdir();
     let script = dir.path().join("server.py");
     std::fs::write(&script, STDIO_SERVER).expect("write");
     let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
@@ -402,6 +402,14 @@ async fn stdio_upstream_servers_are_called() {
     assert_eq!(result.result, json!({"echo": "hi"}));
 }
 
+/// A temporary directory any uid may read: the stdio server does not run as the test's.
+fn readable_tempdir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
 /// Calls `name` through code mode's bridge, as the sandbox would.
 async fn bridge_call(
     mode: &codebroker::codemode::CodeMode,
@@ -421,7 +429,7 @@ async fn bridge_call(
 /// one whose process dies is started again by the next call.
 #[tokio::test]
 async fn upstream_servers_are_reconnected() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = readable_tempdir();
     let script = dir.path().join("server.py");
     let ready = dir.path().join("ready");
     std::fs::write(&script, STDIO_SERVER).expect("write");

@@ -376,6 +376,12 @@ os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 async fn stdio_upstream_servers_get_no_broker_secrets() {
     common::require_image();
     let dir = tempfile::tempdir().expect("tempdir");
+    // The server runs as a uid of its own, and writes its dump here.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .expect("chmod");
     let script = dir.path().join("dump.py");
     let dump = dir.path().join("env.json");
     std::fs::write(&script, ENV_DUMPER).expect("write");

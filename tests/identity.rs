@@ -196,20 +196,27 @@ try writeskills 'echo mine > skills/pptx/notes.md && test "$(cat skills/pptx/not
     assert_eq!(body, SKILL);
 
     // Separate uids: the broker is neither root nor the sandbox, and its data is its own.
-    // It holds three capabilities, none of them ambient any more (programs it starts, such
-    // as upstream MCP servers, get none).
-    let status = std::fs::read_to_string(format!("/proc/{}/status", broker.pid())).expect("status");
-    let cap = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(str::trim)
-            .unwrap_or_default()
-            .to_string()
-    };
-    assert_eq!(cap("CapEff:"), "000000000000000b", "{status}");
-    assert_eq!(cap("CapBnd:"), "000000000000000b", "{status}");
-    assert_eq!(cap("CapAmb:"), "0000000000000000", "{status}");
+    // It holds three capabilities, none of them ambient or inheritable any more (programs
+    // it starts, such as upstream MCP servers, get none), in every thread; CAP_SETUID and
+    // CAP_SETGID are only permitted, for the upstream servers' uid.
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", broker.pid())).expect("tasks");
+    for task in tasks {
+        let path = task.expect("task").path().join("status");
+        let status = std::fs::read_to_string(&path).expect("status");
+        let cap = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert_eq!(cap("CapEff:"), "000000000000000b", "{path:?}: {status}");
+        assert_eq!(cap("CapPrm:"), "00000000000000cb", "{path:?}: {status}");
+        assert_eq!(cap("CapBnd:"), "00000000000000cb", "{path:?}: {status}");
+        assert_eq!(cap("CapInh:"), "0000000000000000", "{path:?}: {status}");
+        assert_eq!(cap("CapAmb:"), "0000000000000000", "{path:?}: {status}");
+    }
     let broker_uid = broker.uid();
     assert!(
         !SANDBOX_UIDS.contains(&broker_uid),

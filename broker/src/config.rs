@@ -836,10 +836,31 @@ pub struct CodeModeConfig {
     #[arg(long, env = "CODEBROKER_CODEMODE_MCP_ENV", value_delimiter = ',')]
     pub codemode_mcp_env: Vec<String>,
 
+    /// Code mode: the uid (and gid) `stdio:` upstream servers run as, in no supplementary
+    /// group and with no capabilities: not the broker's, which owns every session's data
+    /// and may reach the Docker socket. The broker needs root or CAP_SETUID and
+    /// CAP_SETGID to switch (the broker image gives it them); set this to the broker's
+    /// own uid to run them as the broker instead. Their `HOME` is then a directory of
+    /// their own, `$TMPDIR/codebroker-mcp-<uid>`. Neither 0 nor the sandbox uid.
+    #[arg(long, env = "CODEBROKER_CODEMODE_MCP_UID", default_value_t = 10003)]
+    pub codemode_mcp_uid: u32,
+
     /// Code mode: largest HTTP body (request or response) `codemode.http.fetch` passes, in
     /// bytes.
     #[arg(long, env = "CODEBROKER_CODEMODE_HTTP_MAX_BYTES", default_value_t = 1024 * 1024)]
     pub codemode_http_max_bytes: u64,
+
+    /// Code mode: bytes of function results (HTTP bodies, upstream tool results) one
+    /// `execute` may receive in all; a call past it fails with an error saying so. With at
+    /// most 8 calls in flight per `execute`, this bounds what the code makes the broker
+    /// hold and pass on.
+    #[arg(
+        long,
+        env = "CODEBROKER_CODEMODE_MAX_RESULT_BYTES",
+        default_value_t = 32 * 1024 * 1024,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_MEBIBYTES << 20)
+    )]
+    pub codemode_max_result_bytes: u64,
 
     /// Code mode: how long one function call (an HTTP request, an upstream tool) may take,
     /// in milliseconds.
@@ -1189,7 +1210,8 @@ impl Config {
         if self.backend == BackendKind::Kubernetes {
             self.validate_kubernetes()?;
         }
-        self.validate_sandbox_uids()
+        self.validate_sandbox_uids()?;
+        self.validate_codemode_mcp_uid()
     }
 
     /// A cap on live containers that the uid range could not serve would refuse sandboxes
@@ -1207,6 +1229,23 @@ impl Config {
                      CODEBROKER_SANDBOX_UIDS ({range}); widen the range"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Stdio upstream servers run as a uid of their own: never root, nor a uid a sandbox
+    /// may run as (the code could then reach the upstream's processes and files).
+    fn validate_codemode_mcp_uid(&self) -> Result<(), String> {
+        let mcp_uid = self.code_mode.codemode_mcp_uid;
+        let a_sandbox_uid = match self.sandbox.sandbox_uids() {
+            SandboxUids::Shared(uid) => uid == mcp_uid,
+            SandboxUids::Own(range) => range.contains(mcp_uid),
+        };
+        if mcp_uid == 0 || a_sandbox_uid || mcp_uid == self.sandbox.pod_uid() {
+            return Err(format!(
+                "CODEBROKER_CODEMODE_MCP_UID={mcp_uid}: stdio upstream servers must run as \
+                 neither root nor a sandbox uid"
+            ));
         }
         Ok(())
     }

@@ -25,8 +25,9 @@ pub(crate) enum Identity {
 }
 
 /// Checks this process can serve sandboxes running as `sandbox_uids`, then clears its
-/// ambient capabilities, so that no program it starts (an upstream MCP server) inherits
-/// them.
+/// ambient and inheritable capabilities, so that no program it starts (an upstream MCP
+/// server) inherits them, and keeps CAP_SETUID and CAP_SETGID, if it has them, out of its
+/// effective set.
 pub(crate) fn check(sandbox_uids: SandboxUids) -> anyhow::Result<Identity> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
@@ -38,7 +39,17 @@ pub(crate) fn check(sandbox_uids: SandboxUids) -> anyhow::Result<Identity> {
         ),
         _ => check_separate(euid, sandbox_uids.resting())?,
     };
-    // SAFETY: prctl with these arguments only changes this process's ambient set.
+    settle()?;
+    Ok(identity)
+}
+
+/// Clears the calling thread's ambient and inheritable capabilities and, unless it is
+/// root, takes CAP_SETUID and CAP_SETGID out of its effective set (keeping them
+/// permitted: only the child that starts a `stdio:` upstream server raises them, to leave
+/// the broker's uid, see [`become_upstream`]). Capability sets belong to each thread, and
+/// a thread starts with its creator's: `main` calls this before the runtime starts any.
+pub fn settle() -> io::Result<()> {
+    // SAFETY: prctl with these arguments only changes this thread's ambient set.
     unsafe {
         libc::prctl(
             libc::PR_CAP_AMBIENT,
@@ -48,7 +59,124 @@ pub(crate) fn check(sandbox_uids: SandboxUids) -> anyhow::Result<Identity> {
             0,
         );
     }
-    Ok(identity)
+    let mut sets = capget()?;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        sets[0].effective &= !UID_SWITCH;
+    }
+    for set in &mut sets {
+        set.inheritable = 0;
+    }
+    capset(&sets)
+}
+
+/// Bit of CAP_SETGID (`linux/capability.h`).
+const CAP_SETGID: u32 = 6;
+/// Bit of CAP_SETUID.
+const CAP_SETUID: u32 = 7;
+/// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    /// The layout asked for ([`CAPABILITY_VERSION_3`]).
+    version: u32,
+    /// 0: this thread.
+    pid: libc::c_int,
+}
+
+/// `struct __user_cap_data_struct`: one 32-bit word of each set.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    /// The capabilities in use.
+    effective: u32,
+    /// The capabilities that may be made effective.
+    permitted: u32,
+    /// The capabilities kept across an exec of a program with file capabilities.
+    inheritable: u32,
+}
+
+/// This thread's capability sets (both words). Async-signal-safe: one syscall.
+fn capget() -> io::Result<[CapData; 2]> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: the header and two data words are the layout version 3 reads and writes.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    if rc == 0 {
+        Ok(data)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Sets this thread's capability sets. Async-signal-safe: one syscall.
+fn capset(data: &[CapData; 2]) -> io::Result<()> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    // SAFETY: as in `capget`; the kernel only reads the data.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The bits of CAP_SETUID and CAP_SETGID.
+const UID_SWITCH: u32 = (1 << CAP_SETUID) | (1 << CAP_SETGID);
+
+/// Whether this process may switch a child to another uid: root, or CAP_SETUID and
+/// CAP_SETGID permitted.
+pub(crate) fn can_switch_uid() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    root || capget().is_ok_and(|sets| sets[0].permitted & UID_SWITCH == UID_SWITCH)
+}
+
+/// Run in the child of a `stdio:` upstream server between fork and exec: leaves every
+/// supplementary group (the Docker socket's among them) and becomes `uid`:`uid` when
+/// `switch`, then empties every capability set, ambient included, and sets no_new_privs,
+/// so the program the code drives owns none of the broker's files and can gain nothing.
+/// Async-signal-safe: syscalls only, nothing allocated.
+pub(crate) fn become_upstream(uid: u32, switch: bool) -> io::Result<()> {
+    let check = |rc: libc::c_int| {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    if switch {
+        let mut sets = capget()?;
+        sets[0].effective |= sets[0].permitted & UID_SWITCH;
+        capset(&sets)?;
+        // SAFETY: plain syscalls on this (single-threaded) child.
+        unsafe {
+            check(libc::setgroups(0, std::ptr::null()))?;
+            check(libc::setresgid(uid, uid, uid))?;
+            check(libc::setresuid(uid, uid, uid))?;
+        }
+    }
+    capset(&[CapData::default(); 2])?;
+    // SAFETY: prctl with these arguments only changes this process's own state.
+    unsafe {
+        check(libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        ))?;
+        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+    }
+    Ok(())
 }
 
 /// A broker of its own uid `euid`: root, or holding the capabilities it needs to hand

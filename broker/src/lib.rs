@@ -14,6 +14,7 @@ mod clock;
 mod core;
 mod http;
 mod identity;
+pub use identity::settle as settle_capabilities;
 mod mcp;
 mod metrics;
 mod render;

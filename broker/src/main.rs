@@ -2,9 +2,14 @@ use clap::Parser;
 use codebroker::cli::{Cli, Command};
 use tracing_subscriber::EnvFilter;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Before the runtime starts its threads, which take this thread's capability sets.
+    codebroker::settle_capabilities()?;
+    tokio::runtime::Runtime::new()?.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         None | Some(Command::Serve) => serve(cli.config).await,
         Some(Command::Smoke(args)) => {

@@ -15,7 +15,14 @@
 # not change. To hand each workspace to the sandbox uid and to read and remove whatever the
 # code creates, the broker keeps CAP_CHOWN, CAP_DAC_OVERRIDE and CAP_FOWNER (ambient, so
 # they survive the exec; nothing else is in its bounding set, and it clears the ambient set
-# at start so that no program it starts inherits them).
+# at start so that no program it starts inherits them). It also keeps CAP_SETUID and
+# CAP_SETGID, permitted but not effective (it drops them from its effective and
+# inheritable sets at start): only the child that starts a stdio: upstream MCP server raises
+# them, to become CODEBROKER_CODEMODE_MCP_UID (10003) with no groups, then drops every
+# capability before the exec. An upstream server then owns none of the data directory and
+# is not in the Docker socket's group. A root helper would do the same with a root process
+# and a protocol of its own; a broker compromise already reaches the Docker socket, so these
+# two capabilities add nothing to it.
 #
 # CODEBROKER_RUN_AS_ROOT=true keeps root (with the container's capabilities).
 set -eu
@@ -54,7 +61,7 @@ if [ -S "$socket" ]; then
 else
   echo "codebroker-entrypoint: no Docker socket at $socket" >&2
 fi
-caps=-all,+chown,+dac_override,+fowner
+caps=-all,+chown,+dac_override,+fowner,+setuid,+setgid
 exec setpriv --reuid="$broker" --regid="$broker" --groups="$groups" \
   --inh-caps="$caps" --ambient-caps="$caps" --bounding-set="$caps" --no-new-privs \
   -- codebroker "$@"

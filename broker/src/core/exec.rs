@@ -80,8 +80,9 @@ pub(crate) struct ToolBridge {
     pub(crate) specs: Vec<ToolSpec>,
     /// Where the code's calls go.
     pub(crate) calls: mpsc::UnboundedSender<ToolCall>,
-    /// Where their results come from.
-    pub(crate) results: mpsc::UnboundedReceiver<ToolResult>,
+    /// Where their results come from. Bounded: a front end that answers faster than the
+    /// sandbox takes the results waits, rather than piling them up here.
+    pub(crate) results: mpsc::Receiver<ToolResult>,
 }
 
 /// What one exec produced.
@@ -670,7 +671,7 @@ fn deleted_inputs(inputs: &[PlacedInput], gone: &[String]) -> Vec<String> {
 }
 
 /// Receives from an optional channel; never resolves without one.
-async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
+async fn recv_opt<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     match rx {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,

@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// Results of the client's tool calls on their way to the sandbox; more wait for room.
+const RESULT_QUEUE: usize = 64;
 /// After a first tool call, how long to wait for more before answering: calls made in
 /// parallel (`asyncio.gather`) arrive within microseconds of each other. A run starts with
 /// this window, and comes back to it whenever a batch had several calls.
@@ -99,7 +101,7 @@ struct Run {
     /// Tool calls the code made and the client has not seen yet.
     calls: Mutex<Option<mpsc::UnboundedReceiver<ToolCall>>>,
     /// Where the client's results go.
-    results: mpsc::UnboundedSender<ToolResult>,
+    results: mpsc::Sender<ToolResult>,
     /// Calls handed to the client and not answered yet.
     pending: Mutex<HashSet<String>>,
     /// The exec; taken when it has finished.
@@ -238,7 +240,7 @@ async fn start_run(
     let request_id = request_id(headers);
 
     let (calls_tx, calls_rx) = mpsc::unbounded_channel();
-    let (results_tx, results_rx) = mpsc::unbounded_channel();
+    let (results_tx, results_rx) = mpsc::channel(RESULT_QUEUE);
     let cancel = CancellationToken::new();
     let hooks = ExecHooks {
         events: None,
@@ -313,12 +315,13 @@ fn continue_run(
     };
     remember_used(&state.runs, token);
     let mut pending = lock(&run.pending);
+    let mut answers = Vec::new();
     for r in results {
         if !pending.remove(&r.call_id) {
             tracing::debug!(call_id = %r.call_id, "result for a call that is not pending");
             continue;
         }
-        let _ = run.results.send(ToolResult {
+        answers.push(ToolResult {
             call_id: r.call_id,
             result: r.result,
             is_error: r.is_error,
@@ -327,7 +330,7 @@ fn continue_run(
     }
     // A call the client left unanswered would wait forever: answer it with an error.
     for call_id in pending.drain() {
-        let _ = run.results.send(ToolResult {
+        answers.push(ToolResult {
             call_id,
             result: Value::Null,
             is_error: true,
@@ -335,7 +338,20 @@ fn continue_run(
         });
     }
     drop(pending);
+    hand_over(&run.results, answers);
     Ok(run)
+}
+
+/// Sends `answers` to the exec in order, as its bounded queue takes them.
+fn hand_over(results: &mpsc::Sender<ToolResult>, answers: Vec<ToolResult>) {
+    let results = results.clone();
+    tokio::spawn(async move {
+        for answer in answers {
+            if results.send(answer).await.is_err() {
+                break;
+            }
+        }
+    });
 }
 
 fn remember_used(runs: &Runs, token: String) {
@@ -522,14 +538,16 @@ async fn cancel(
     };
     run.cancel.cancel();
     // Answer the calls it is waiting on, so it can stop at once.
-    for call_id in lock(&run.pending).drain() {
-        let _ = run.results.send(ToolResult {
+    let answers = lock(&run.pending)
+        .drain()
+        .map(|call_id| ToolResult {
             call_id,
             result: Value::Null,
             is_error: true,
             error_message: Some("The run was cancelled".into()),
-        });
-    }
+        })
+        .collect();
+    hand_over(&run.results, answers);
     Ok(Json(json!({
         "message": "cancelled",
         "request_id": body.request_id,

@@ -2,7 +2,8 @@
 //! `env.get`.
 
 use super::allow::{host_allowed, CheckedResolver, Denied, HostRule};
-use super::CodeMode;
+use super::{CodeMode, ResultBudget};
+use base64::Engine;
 use sandbox_runner::ToolSpec;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
@@ -69,7 +70,12 @@ impl CodeMode {
         Ok(std::env::var(key).map(Value::String).unwrap_or(Value::Null))
     }
 
-    pub(super) async fn fetch(&self, input: &Value) -> Result<Value, String> {
+    /// Makes the request; a response body that would not fit in `budget` is not read on.
+    pub(super) async fn fetch(
+        &self,
+        input: &Value,
+        budget: &ResultBudget,
+    ) -> Result<Value, String> {
         let url = input
             .get("url")
             .and_then(Value::as_str)
@@ -134,18 +140,32 @@ impl CodeMode {
         }
         let mut body = Vec::new();
         while let Some(chunk) = response.chunk().await.map_err(fetch_error)? {
-            if (body.len() + chunk.len()) as u64 > self.max_body {
+            let size = (body.len() + chunk.len()) as u64;
+            if size > self.max_body {
                 return Err(format!(
                     "Response body is larger than {} bytes",
                     self.max_body
                 ));
             }
+            if size > budget.left() {
+                return Err(budget.exceeded());
+            }
             body.extend_from_slice(&chunk);
         }
+        // Text is passed as it is (no copy); anything else whole, as base64, rather than
+        // as a lossy text copy up to three times its size.
+        let (body, encoding) = match String::from_utf8(body) {
+            Ok(text) => (text, "utf-8"),
+            Err(binary) => (
+                base64::engine::general_purpose::STANDARD.encode(binary.as_bytes()),
+                "base64",
+            ),
+        };
         Ok(json!({
             "status": status,
             "headers": headers,
-            "body": String::from_utf8_lossy(&body),
+            "body": body,
+            "encoding": encoding,
         }))
     }
 }
@@ -174,7 +194,8 @@ pub(super) fn builtin_specs() -> Vec<ToolSpec> {
         ToolSpec {
             name: "http.fetch".to_string(),
             description: "Make an HTTP request (the broker makes it, for allowed hosts only) and \
-get {status, headers, body} with the body as text."
+get {status, headers, body, encoding}: the body as text when it is UTF-8 (encoding \"utf-8\"), \
+else as base64 (encoding \"base64\")."
                 .to_string(),
             parameters: json!({
                 "type": "object",

@@ -34,15 +34,87 @@ use crate::session::Session;
 use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 /// The internal tool the wrapper reports the code's value and error with.
 pub(crate) const RESULT_TOOL: &str = "__codemode_result";
 /// Events of a running `execute` queued for the collector, which drains them at once.
 const EVENT_QUEUE: usize = 16;
+/// Calls of one `execute` the broker answers at once; the code's other calls wait their
+/// turn, in the order made. Each holds up to a body or a result, so this (with the result
+/// queue of the same size) bounds what one `execute` makes the broker hold.
+const MAX_CALLS_IN_FLIGHT: usize = 8;
+/// Calls of one `execute` that may wait for their turn (the runner lets 256 be made at
+/// once); one more is refused at once.
+const MAX_CALLS_WAITING: usize = 256;
+/// Bytes of input (as JSON) the waiting calls of one `execute` may hold: a call that would
+/// pass them is refused at once, unless none waits.
+const MAX_WAITING_INPUT_BYTES: u64 = 16 << 20;
+
+/// The bytes of function results one `execute` may still receive
+/// (`CODEBROKER_CODEMODE_MAX_RESULT_BYTES`), shared by its calls. As with displays, the
+/// code is told when it runs out.
+pub(crate) struct ResultBudget {
+    /// Bytes left.
+    left: AtomicU64,
+    /// The whole budget, for the error.
+    max: u64,
+}
+
+impl ResultBudget {
+    fn new(max: u64) -> Self {
+        ResultBudget {
+            left: AtomicU64::new(max),
+            max,
+        }
+    }
+
+    /// Bytes left.
+    fn left(&self) -> u64 {
+        self.left.load(Ordering::SeqCst)
+    }
+
+    /// Takes `bytes`; false, taking nothing, when they do not fit.
+    fn take(&self, bytes: u64) -> bool {
+        self.left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                left.checked_sub(bytes)
+            })
+            .is_ok()
+    }
+
+    /// What a call past the budget gets.
+    fn exceeded(&self) -> String {
+        format!(
+            "The function results of this execute passed their budget of {} bytes; \
+             no more are passed",
+            self.max
+        )
+    }
+}
+
+/// The size of `value` as JSON, counted without writing it anywhere.
+fn json_size(value: &Value) -> u64 {
+    /// Counts what is written to it.
+    struct Counter(u64);
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len() as u64;
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    // Writing to a counter cannot fail, nor can serializing a Value.
+    let _ = serde_json::to_writer(&mut counter, value);
+    counter.0
+}
 
 /// What one `execute` produced.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +152,10 @@ pub struct CodeMode {
     http: Option<reqwest::Client>,
     /// Largest body `http.fetch` passes.
     max_body: u64,
+    /// Bytes of function results one `execute` may receive in all.
+    max_result_bytes: u64,
+    /// The uid `stdio:` upstream servers run as.
+    upstream_uid: u32,
     /// Time limit of one call.
     call_timeout: Duration,
     /// Time limit of one `execute`.
@@ -136,6 +212,8 @@ impl CodeMode {
             upstreams,
             http,
             max_body: settings.codemode_http_max_bytes,
+            max_result_bytes: settings.codemode_max_result_bytes,
+            upstream_uid: settings.codemode_mcp_uid,
             call_timeout,
             exec_timeout_ms: settings.codemode_timeout_ms,
         });
@@ -171,10 +249,11 @@ impl CodeMode {
         let mut out = BTreeMap::new();
         out.insert(
             "http.fetch".to_string(),
-            json!({"type": "object", "required": ["status", "headers", "body"], "properties": {
+            json!({"type": "object", "required": ["status", "headers", "body", "encoding"], "properties": {
                 "status": {"type": "integer"},
                 "headers": {"type": "object", "additionalProperties": {"type": "string"}},
-                "body": {"type": "string"}}}),
+                "body": {"type": "string"},
+                "encoding": {"enum": ["utf-8", "base64"]}}}),
         );
         out.insert("env.get".to_string(), json!({"type": ["string", "null"]}));
         for upstream in self.connected().await {
@@ -228,12 +307,29 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         json!({ "query": query, "tools": hits })
     }
 
-    /// Answers one call of the code.
+    /// Answers one call of the code, as the only call of an `execute`.
     pub async fn serve(&self, call: ToolCall) -> ToolResult {
-        let answer = match call.name.as_str() {
-            "http.fetch" => self.fetch(&call.input).await,
-            "env.get" => self.env_get(&call.input),
-            name => self.call_upstream(name, &call.input).await,
+        self.serve_within(call, &ResultBudget::new(self.max_result_bytes))
+            .await
+    }
+
+    /// Answers one call of the code, its result taken from `budget`.
+    pub(crate) async fn serve_within(&self, call: ToolCall, budget: &ResultBudget) -> ToolResult {
+        let answer = if budget.left() == 0 {
+            Err(budget.exceeded())
+        } else {
+            match call.name.as_str() {
+                "http.fetch" => self.fetch(&call.input, budget).await,
+                "env.get" => self.env_get(&call.input),
+                name => self.call_upstream(name, &call.input).await,
+            }
+            .and_then(|value| {
+                if budget.take(json_size(&value)) {
+                    Ok(value)
+                } else {
+                    Err(budget.exceeded())
+                }
+            })
         };
         match answer {
             Ok(result) => ToolResult {
@@ -273,7 +369,8 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             parameters: json!({"type": "object", "properties": {"value": {}, "error": {}}}),
         });
         let (calls_tx, mut calls_rx) = mpsc::unbounded_channel::<ToolCall>();
-        let (results_tx, results_rx) = mpsc::unbounded_channel::<ToolResult>();
+        // Bounded: a call's result waits for room before its call gives up its turn.
+        let (results_tx, results_rx) = mpsc::channel::<ToolResult>(MAX_CALLS_IN_FLIGHT);
         let (events_tx, mut events_rx) = mpsc::channel::<WorkerMessage>(EVENT_QUEUE);
         // Output is kept as it comes (the runner caps it); displays have no place in the
         // answer and are dropped here, never queued until the end.
@@ -289,24 +386,59 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         let reported: Arc<Mutex<Option<Value>>> = Arc::default();
         let report = reported.clone();
         let mode = self.clone();
-        // Answers the calls as they come, each in a task of its own (Promise.all).
+        let budget = Arc::new(ResultBudget::new(self.max_result_bytes));
+        // Answers the calls as they come, each in a task of its own (Promise.all), at most
+        // MAX_CALLS_IN_FLIGHT at once; the tasks end with this one.
         let server = tokio::spawn(async move {
+            let in_flight = Arc::new(Semaphore::new(MAX_CALLS_IN_FLIGHT));
+            // Bytes of input of the calls waiting for their turn.
+            let waiting = Arc::new(AtomicU64::new(0));
+            let mut answering = tokio::task::JoinSet::new();
             while let Some(call) = calls_rx.recv().await {
+                while answering.try_join_next().is_some() {}
                 if call.name == RESULT_TOOL {
                     // A poisoned lock still holds a whole value: the report is kept.
                     *report.lock().unwrap_or_else(|p| p.into_inner()) = Some(call.input.clone());
-                    let _ = results_tx.send(ToolResult {
-                        call_id: call.call_id,
-                        result: Value::Null,
-                        is_error: false,
-                        error_message: None,
-                    });
+                    let _ = results_tx
+                        .send(ToolResult {
+                            call_id: call.call_id,
+                            result: Value::Null,
+                            is_error: false,
+                            error_message: None,
+                        })
+                        .await;
                     continue;
                 }
-                let mode = mode.clone();
-                let results = results_tx.clone();
-                tokio::spawn(async move {
-                    let _ = results.send(mode.serve(call).await);
+                let size = json_size(&call.input);
+                let queued = waiting.load(Ordering::SeqCst);
+                if answering.len() >= MAX_CALLS_IN_FLIGHT + MAX_CALLS_WAITING
+                    || (queued > 0 && queued + size > MAX_WAITING_INPUT_BYTES)
+                {
+                    let _ = results_tx
+                        .send(ToolResult {
+                            call_id: call.call_id,
+                            result: Value::Null,
+                            is_error: true,
+                            error_message: Some(format!(
+                                "Too many calls wait for their turn: {MAX_CALLS_IN_FLIGHT} run \
+                                 at once, and at most {MAX_CALLS_WAITING} calls with \
+                                 {MAX_WAITING_INPUT_BYTES} bytes of input wait"
+                            )),
+                        })
+                        .await;
+                    continue;
+                }
+                waiting.fetch_add(size, Ordering::SeqCst);
+                let (mode, results, budget) = (mode.clone(), results_tx.clone(), budget.clone());
+                let (in_flight, waiting) = (in_flight.clone(), waiting.clone());
+                // The semaphore is fair: calls take their turns in the order made.
+                answering.spawn(async move {
+                    let turn = in_flight.acquire_owned().await;
+                    waiting.fetch_sub(size, Ordering::SeqCst);
+                    let Ok(turn) = turn else { return };
+                    let result = mode.serve_within(call, &budget).await;
+                    let _ = results.send(result).await;
+                    drop(turn);
                 });
             }
         });

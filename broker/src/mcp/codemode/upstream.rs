@@ -1,7 +1,7 @@
 //! Upstream MCP servers (`CODEBROKER_CODEMODE_MCP_SERVERS`): their slots, connected on
 //! first use and again after a lost connection, and the calls the code makes to them.
 
-use super::CodeMode;
+use super::{json_size, CodeMode};
 use rmcp::model::{CallToolRequestParams, ClientConfig};
 use rmcp::service::{RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
@@ -18,6 +18,11 @@ const RECONNECT_AFTER: Duration = Duration::from_secs(2);
 /// Variables of the broker's environment every `stdio:` upstream server gets: enough to
 /// find programs and run them (`npx`, `uvx` keep caches under `HOME`).
 const UPSTREAM_BASE_ENV: [&str; 6] = ["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"];
+
+/// Largest result (as JSON) or error message an upstream tool call passes to the code:
+/// the code decides what the tool is asked, so a tool (a file reader) may answer with as
+/// much as its transport carries (16 MiB per message in rmcp).
+const MAX_RESULT_BYTES: u64 = 4 << 20;
 
 /// Where an upstream MCP server is.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,6 +59,27 @@ pub(super) fn parse_server(entry: &str) -> Result<(String, Target), String> {
         return Ok((name.to_string(), Target::Http(target.to_string())));
     }
     Err(format!("{name}: expected an http(s) URL or stdio:command"))
+}
+
+/// A home directory of `uid`'s own for `stdio:` upstream servers (`$TMPDIR/codebroker-mcp-<uid>`,
+/// mode 0700), made on first use; one that is not a directory of `uid`'s is refused.
+fn upstream_home(uid: u32) -> Result<std::path::PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let home = std::env::temp_dir().join(format!("codebroker-mcp-{uid}"));
+    let fail = |e: std::io::Error| format!("cannot make {}: {e}", home.display());
+    match std::fs::DirBuilder::new().mode(0o700).create(&home) {
+        Ok(()) => std::os::unix::fs::chown(&home, Some(uid), Some(uid)).map_err(fail)?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(fail(e)),
+    }
+    let meta = std::fs::symlink_metadata(&home).map_err(fail)?;
+    if !meta.is_dir() || meta.uid() != uid {
+        return Err(format!(
+            "{} is not a directory of uid {uid}",
+            home.display()
+        ));
+    }
+    Ok(home)
 }
 
 /// One connected upstream MCP server.
@@ -142,8 +168,28 @@ impl CodeMode {
                         .map_err(|e| e.to_string())?
                 }
                 Target::Stdio(words) => {
+                    let uid = self.upstream_uid;
+                    // SAFETY: geteuid has no preconditions.
+                    let euid = unsafe { libc::geteuid() };
+                    let switch = euid != uid;
+                    if switch && !crate::identity::can_switch_uid() {
+                        return Err(format!(
+                            "the broker (uid {euid}) cannot start it as uid {uid} \
+                             (CODEBROKER_CODEMODE_MCP_UID) without root or CAP_SETUID and \
+                             CAP_SETGID; set CODEBROKER_CODEMODE_MCP_UID={euid} to run it as \
+                             the broker's own uid"
+                        ));
+                    }
                     let mut command = tokio::process::Command::new(&words[0]);
                     command.args(&words[1..]);
+                    // The code drives this process: it owns none of the broker's files
+                    // (the data directory), joins none of its groups (the Docker socket's)
+                    // and keeps no capability.
+                    // SAFETY: the hook makes syscalls only, as a child between fork and
+                    // exec may.
+                    unsafe {
+                        command.pre_exec(move || crate::identity::become_upstream(uid, switch));
+                    }
                     // The code drives this process: it gets no keys of the broker's.
                     command.env_clear();
                     let names = UPSTREAM_BASE_ENV
@@ -154,6 +200,11 @@ impl CodeMode {
                         if let Some(value) = std::env::var_os(name) {
                             command.env(name, value);
                         }
+                    }
+                    if switch {
+                        // The broker's HOME is not the upstream uid's to write (npx and
+                        // uvx keep their caches there).
+                        command.env("HOME", upstream_home(uid)?);
                     }
                     let transport = TokioChildProcess::new(command).map_err(|e| e.to_string())?;
                     ClientConfig::default()
@@ -234,12 +285,22 @@ impl CodeMode {
                 Err(e) => return Err(format!("Tool '{name}' failed: {e}")),
             }
         };
-        let text: Vec<String> = result
+        let too_large = |size: u64| {
+            format!(
+                "Tool '{name}' returned {size} bytes, more than the {MAX_RESULT_BYTES} bytes \
+                 a result may have"
+            )
+        };
+        let text: Vec<&str> = result
             .content
             .iter()
-            .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+            .filter_map(|c| c.as_text().map(|t| t.text.as_str()))
             .collect();
+        let text_size = text.iter().map(|t| t.len() as u64 + 1).sum::<u64>();
         if result.is_error == Some(true) {
+            if text_size > MAX_RESULT_BYTES {
+                return Err(too_large(text_size));
+            }
             let message = text.join("\n");
             return Err(if message.is_empty() {
                 format!("Tool '{name}' failed")
@@ -247,10 +308,16 @@ impl CodeMode {
                 message
             });
         }
-        Ok(match result.structured_content {
+        let value = match result.structured_content {
             Some(value) => value,
+            None if text_size > MAX_RESULT_BYTES => return Err(too_large(text_size)),
             None => Value::String(text.join("\n")),
-        })
+        };
+        let size = json_size(&value);
+        if size > MAX_RESULT_BYTES {
+            return Err(too_large(size));
+        }
+        Ok(value)
     }
 }
 
