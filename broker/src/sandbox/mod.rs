@@ -7,9 +7,9 @@ pub(crate) mod docker;
 pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
-pub(crate) mod uids;
 #[cfg(test)]
 mod seccomp_tests;
+pub(crate) mod uids;
 
 pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
