@@ -14,6 +14,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Held by every test of this file: each measures the test process's memory, or allocates
+/// megabytes that would show in another's figure, so they run one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Size of the body the test HTTP server serves.
 const BLOB_BYTES: usize = 1 << 20;
 
@@ -80,6 +84,7 @@ async fn execute(client: &mcp_client::Client, code: &str) -> Value {
 /// budget get an error that says so, and the next exec works.
 #[tokio::test]
 async fn parallel_fetches_are_bounded_per_exec() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let seen = Arc::new(InFlight::default());
     let port = blob_server(seen.clone()).await;
     let broker = TestBroker::start_with("hcm-fetch", move |config| {
@@ -169,6 +174,7 @@ async fn parallel_fetches_are_bounded_per_exec() {
 /// queue get an error that says so, and the next exec works.
 #[tokio::test]
 async fn waiting_calls_are_bounded_per_exec() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let router = axum::Router::new().route(
         "/slow",
         axum::routing::post(|| async {
@@ -241,6 +247,7 @@ async fn waiting_calls_are_bounded_per_exec() {
 /// A binary body is passed whole, as base64, not as a lossy text copy; a UTF-8 one as text.
 #[tokio::test]
 async fn binary_bodies_come_as_base64() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let seen = Arc::new(InFlight::default());
     let port = blob_server(seen).await;
     let mut config = <codebroker::config::Config as clap::Parser>::parse_from(["codebroker"]);
@@ -337,6 +344,7 @@ async fn bridge_call(
 /// the next call works.
 #[tokio::test]
 async fn upstream_results_are_capped() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let (_dir, script) = server_script();
     let mode = stdio_mode(&script);
     let big = bridge_call(&mode, "who.big", json!({"n": 8 << 20})).await;
@@ -358,6 +366,7 @@ async fn upstream_results_are_capped() {
 /// --ambient-caps=-all,+setuid,+setgid`.
 #[tokio::test]
 async fn stdio_upstreams_run_as_their_own_uid() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     // As the broker does at start: CAP_SETUID and CAP_SETGID leave the effective set.
     codebroker::settle_capabilities().expect("settle the capabilities");
     let (_dir, script) = server_script();
