@@ -770,9 +770,11 @@ test('HTTP: a tool the request did not declare is not defined in Python (NameErr
 });
 
 test('HTTP: a client slower than the timeout gets status error "Time limit exceeded" when it comes back', async () => {
-  const first = await post({ code: 'print(await add(a=1, b=1))', tools: specs('add'), timeout: 1500 });
+  // The timeout leaves room for a new sandbox's first Python exec under gVisor, which
+  // passed 1.5 s on a loaded host before the code reached its tool call.
+  const first = await post({ code: 'print(await add(a=1, b=1))', tools: specs('add'), timeout: 4000 });
   assert.equal(first.json.status, 'tool_call_required', show(first));
-  await sleep(3000);
+  await sleep(6000);
   const r = await post({ continuation_token: first.json.continuation_token, tool_results: first.json.tool_calls.map(answer) });
   assert.equal(r.status, 200, show(r));
   assert.equal(r.json.status, 'error', show(r));
