@@ -104,7 +104,11 @@ async fn session_with_container(base: &str) -> String {
         .json()
         .await
         .expect("JSON");
-    resp["session_id"].as_str().expect("session_id").to_string()
+    assert_eq!(resp["exit_code"], 0, "the first exec: {resp}");
+    resp["session_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no session_id in {resp}"))
+        .to_string()
 }
 
 async fn exec_finishes_during_shutdown(containers: &str, signal: libc::c_int) {

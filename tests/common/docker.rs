@@ -83,7 +83,22 @@ fn list_containers(instance: &str, labels: &[&str], all: bool) -> Vec<String> {
         ]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    String::from_utf8_lossy(&docker(&args).stdout)
+    // The daemon may fail a listing that races a removal ("No such container") while
+    // other tests tear down; an empty answer from a failed call would read as "none".
+    let mut out = docker(&args);
+    for _ in 0..10 {
+        if out.status.success() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        out = docker(&args);
+    }
+    assert!(
+        out.status.success(),
+        "docker {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(str::to_string)
         .filter(|l| !l.is_empty())
