@@ -270,6 +270,76 @@ async fn identical_parts_under_many_names_are_charged_per_copy() {
     next_exec_works(&broker, &session_id).await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn refs_put_a_large_file_under_at_most_sixteen_names() {
+    let _serial = SERIAL.lock().await;
+    // A budget that would hold 40 copies, so only the names cap can stop them.
+    let broker = TestBroker::start_with("names-cap", |config| {
+        config.caps.session_storage = 256 * MIB;
+    })
+    .await;
+    let (status, body) = upload(
+        &broker,
+        None,
+        &[
+            ("big.bin".into(), noise(MIB as usize, 3)),
+            ("small.txt".into(), b"tiny".to_vec()),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let session_id = body["session_id"].as_str().expect("session").to_string();
+    let id = |i: usize| body["files"][i]["fileId"].as_str().expect("id").to_string();
+    let (big, small) = (id(0), id(1));
+    let mut refs: Vec<Value> = (0..40)
+        .map(|i| json!({"id": big, "session_id": session_id, "name": format!("big{i}.bin")}))
+        .collect();
+    refs.extend(
+        (0..40).map(
+            |i| json!({"id": small, "session_id": session_id, "name": format!("small{i}.txt")}),
+        ),
+    );
+    let (status, out) = broker
+        .exec(json!({
+            "lang": "bash", "session_id": session_id, "files": refs,
+            "code": "ls big*.bin | wc -l; ls small*.txt | wc -l",
+        }))
+        .await;
+    assert_eq!(status, 200, "{out}");
+    // big.bin itself is one of the 16 names; small files are bounded by the budget only.
+    assert_eq!(
+        stdout(&out).split_whitespace().collect::<Vec<_>>(),
+        ["16", "41"],
+        "{out}"
+    );
+    let err = stderr(&out);
+    let why: Vec<&str> = err.lines().filter(|l| l.contains("16 names")).collect();
+    eprintln!("40 refs to a 1 MiB file: {why:?}");
+    assert_eq!(why.len(), 1, "one line says why: {err}");
+    assert!(why[0].contains("25 input files"), "{}", why[0]);
+    assert!(why[0].len() < 600, "the line is bounded: {}", why[0]);
+    // Names that already hold the bytes are placed again (a re-run of the same call).
+    let again: Vec<Value> = (0..15)
+        .map(|i| json!({"id": big, "session_id": session_id, "name": format!("big{i}.bin")}))
+        .collect();
+    let (status, out) = broker
+        .exec(json!({"lang": "bash", "session_id": session_id, "files": again, "code": "true"}))
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert!(!stderr(&out).contains("names"), "{out}");
+    // An upload of the same bytes under a 17th name is refused, with the reason.
+    let (status, body) = upload(
+        &broker,
+        Some(&session_id),
+        &[("big-again.bin".into(), noise(MIB as usize, 3))],
+    )
+    .await;
+    assert_eq!(status, 413, "{body}");
+    assert!(body["message"].to_string().contains("16 names"), "{body}");
+    small_upload_works(&broker, &session_id).await;
+    next_exec_works(&broker, &session_id).await;
+}
+
 /// The start of a multipart upload into `session_id`: its field, then the head of a file
 /// part whose content is to follow.
 fn drip_head(boundary: &str, session_id: &str) -> Vec<u8> {

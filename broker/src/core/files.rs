@@ -4,6 +4,7 @@
 
 use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
+use crate::core::limits::{too_many_names, MAX_NAMES_PER_BLOB, NAMES_CAP_FROM_BYTES};
 use crate::core::{Broker, InputFile};
 use crate::ids::new_id;
 use crate::session::Session;
@@ -58,6 +59,8 @@ struct InputsLeftOut {
     invalid: LeftOut,
     /// Refs whose copy would go over the storage budget.
     over_budget: LeftOut,
+    /// Refs to a large file already placed under `MAX_NAMES_PER_BLOB` other names.
+    too_many_names: LeftOut,
     /// Refs the broker could not write (something in the way at the name).
     unplaced: LeftOut,
     /// Why the first of `unplaced` could not be written.
@@ -100,6 +103,17 @@ impl InputsLeftOut {
                 were(&self.over_budget),
                 budget.describe(),
                 self.over_budget.list()
+            ));
+        }
+        if self.too_many_names.count > 0 {
+            notes.push(format!(
+                "{} {} not placed: a file over {} is placed under at most {} names in a \
+                 session, and it already has them: {}",
+                inputs(&self.too_many_names),
+                were(&self.too_many_names),
+                human_bytes(NAMES_CAP_FROM_BYTES),
+                MAX_NAMES_PER_BLOB,
+                self.too_many_names.list()
             ));
         }
         if self.unplaced.count > 0 {
@@ -226,6 +240,15 @@ impl Broker {
             let mut unused = Vec::new();
             let mut store = |file: StagedFile| -> Result<()> {
                 let name = file.name.to_string_lossy().into_owned();
+                if too_many_names(file.size, index.placed_names(&file.sha256, &name)) {
+                    return Err(Error::TooLarge(format!(
+                        "{name} ({}) is not stored: the session already has the same bytes \
+                         under {MAX_NAMES_PER_BLOB} names, the most a file over {} may have. \
+                         Delete some of them first",
+                        human_bytes(file.size),
+                        human_bytes(NAMES_CAP_FROM_BYTES),
+                    )));
+                }
                 // The blob, and the copy placed at the name.
                 let extra = index.placed_cost_of(&file.sha256, file.size);
                 let Some(dropped) =
@@ -415,11 +438,18 @@ impl Broker {
             if unchanged_if.is_none() {
                 // Every copy written is a new version of this session: budgeted, with the
                 // copies this exec placed before it counted.
-                let fits = {
+                let (fits, names) = {
                     let index = session.index();
                     let extra = index.placed_cost_of(&record.sha256, record.size);
-                    index.could_fit(extra, budget.room, Some(&target_name))
+                    (
+                        index.could_fit(extra, budget.room, Some(&target_name)),
+                        index.placed_names(&record.sha256, &target_name),
+                    )
                 };
+                if too_many_names(record.size, names) {
+                    left_out.too_many_names.add(&target);
+                    continue;
+                }
                 if !fits {
                     left_out.over_budget.add(&target);
                     continue;

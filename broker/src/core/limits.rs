@@ -27,6 +27,23 @@ use tokio::time::Instant;
 /// workspace, and one request must not turn one upload into thousands of copies.
 pub(crate) const MAX_INPUT_REFS: usize = 100;
 
+/// Most names in `/mnt/data` at which the broker places one file's bytes (an upload, an
+/// input ref) in a session, for files of more than [`NAMES_CAP_FROM_BYTES`]: each name is
+/// a full copy, and a client has no reason to want a large file under many names.
+/// Smaller files (an empty `__init__.py` in every package) are bounded by the storage
+/// budget alone.
+pub(crate) const MAX_NAMES_PER_BLOB: usize = 16;
+
+/// Files up to this size may be placed under any number of names (each copy still
+/// counts against the storage budget).
+pub(crate) const NAMES_CAP_FROM_BYTES: u64 = 64 * 1024;
+
+/// Whether one more placed copy of a file of `size` bytes, already placed under
+/// `placed_names` other names, goes over [`MAX_NAMES_PER_BLOB`].
+pub(crate) fn too_many_names(size: u64, placed_names: usize) -> bool {
+    size > NAMES_CAP_FROM_BYTES && placed_names >= MAX_NAMES_PER_BLOB
+}
+
 /// Refuses (400) an exec that carries `count` input refs, more than [`MAX_INPUT_REFS`],
 /// before anything is placed.
 pub(crate) fn check_input_refs(count: usize) -> Result<()> {

@@ -316,6 +316,17 @@ impl FileIndex {
         total
     }
 
+    /// How many names other than `except` hold a copy the broker placed of blob
+    /// `sha256` (current uploads and input refs; code's own files are not copies).
+    pub(crate) fn placed_names(&self, sha256: &str, except: &str) -> usize {
+        if !self.uses_blob(sha256) {
+            return 0;
+        }
+        self.current_records()
+            .filter(|r| r.sha256 == sha256 && r.name != except && placed_cost(r) > 0)
+            .count()
+    }
+
     /// What one more version of `size` bytes costs; nothing for its bytes when a record
     /// already has them (`sha256` known).
     pub(crate) fn cost_of(&self, sha256: Option<&str>, size: u64) -> u64 {
