@@ -339,6 +339,27 @@ mod tests {
         assert!(peers.open.lock().expect("lock").is_empty());
     }
 
+    #[tokio::test]
+    async fn accepted_connections_give_up_on_an_unacknowledged_peer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (accepted, _) = listener.accept().await.expect("accept");
+        let before = socket2::SockRef::from(&accepted)
+            .tcp_user_timeout()
+            .expect("getsockopt");
+        assert_eq!(before, None, "the kernel default is off");
+        configure(&accepted, Duration::from_secs(30));
+        let sock = socket2::SockRef::from(&accepted);
+        assert_eq!(
+            sock.tcp_user_timeout().expect("getsockopt"),
+            Some(Duration::from_secs(30))
+        );
+        assert!(sock.tcp_nodelay().expect("getsockopt"));
+    }
+
     #[test]
     fn the_over_cap_answer_is_well_formed() {
         let text = std::str::from_utf8(PEER_OVER_CAP).expect("ascii");
