@@ -21,18 +21,6 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// Size of the body the test HTTP server serves.
 const BLOB_BYTES: usize = 1 << 20;
 
-/// This process's resident set, in bytes. The test broker runs in-process, so this is
-/// the broker's (plus the test's own servers, which makes the figure an over-estimate).
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kib * 1024
-}
-
 /// Requests the blob server is answering now, and the most it ever answered at once.
 #[derive(Default)]
 struct InFlight {
@@ -106,13 +94,13 @@ async fn parallel_fetches_are_bounded_per_exec() {
     assert_eq!(warm["result"], 200, "{warm}");
     seen.max.store(0, Ordering::SeqCst);
 
-    let baseline = rss_bytes();
+    let baseline = common::rss_bytes();
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(baseline));
     let sampling = {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+                peak.fetch_max(common::rss_bytes(), Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
@@ -133,7 +121,7 @@ async fn parallel_fetches_are_bounded_per_exec() {
     let started = std::time::Instant::now();
     let flood = execute(&client, &code).await;
     let took = started.elapsed();
-    peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+    peak.fetch_max(common::rss_bytes(), Ordering::SeqCst);
     sampling.abort();
     let growth = peak.load(Ordering::SeqCst).saturating_sub(baseline);
     let in_flight = seen.max.load(Ordering::SeqCst);
@@ -202,13 +190,13 @@ async fn waiting_calls_are_bounded_per_exec() {
     let warm = execute(&client, &one).await;
     assert_eq!(warm["result"]["body"], "done", "{warm}");
 
-    let baseline = rss_bytes();
+    let baseline = common::rss_bytes();
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(baseline));
     let sampling = {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+                peak.fetch_max(common::rss_bytes(), Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
@@ -226,7 +214,7 @@ async fn waiting_calls_are_bounded_per_exec() {
          return {{ok, failed, firstError}};"
     );
     let flood = execute(&client, &code).await;
-    peak.fetch_max(rss_bytes(), Ordering::SeqCst);
+    peak.fetch_max(common::rss_bytes(), Ordering::SeqCst);
     sampling.abort();
     let growth = peak.load(Ordering::SeqCst).saturating_sub(baseline);
     eprintln!("waiting: {flood}; RSS growth {} MiB", growth >> 20);

@@ -40,21 +40,6 @@ fn allocated(dir: &Path) -> u64 {
     total
 }
 
-/// This process's resident memory (the broker runs in it), in bytes.
-fn vm_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .expect("VmRSS line");
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .expect("VmRSS value");
-    kib * 1024
-}
-
 /// Uploads `files` (name, bytes) in one request, into `session_id` when given.
 async fn upload(
     broker: &TestBroker,
@@ -425,7 +410,7 @@ async fn flood_upload(broker: &TestBroker, head: &'static [u8]) -> Flood {
                 }
             }),
         );
-    let rss_before = vm_rss();
+    let rss_before = common::rss_bytes();
     let mut peak = rss_before;
     let request = broker
         .client
@@ -439,7 +424,7 @@ async fn flood_upload(broker: &TestBroker, head: &'static [u8]) -> Flood {
         tokio::select! {
             resp = &mut request => break resp.ok().map(|r| r.status().as_u16()),
             () = tokio::time::sleep(Duration::from_millis(100)) => {
-                peak = peak.max(vm_rss());
+                peak = peak.max(common::rss_bytes());
                 if sent.load(Ordering::SeqCst) >= 64 * MIB {
                     let since = *stalled_since.get_or_insert_with(Instant::now);
                     if since.elapsed() > Duration::from_secs(10) {
@@ -450,7 +435,7 @@ async fn flood_upload(broker: &TestBroker, head: &'static [u8]) -> Flood {
         }
     };
     let sent_before_answer = sent.load(Ordering::SeqCst);
-    peak = peak.max(vm_rss());
+    peak = peak.max(common::rss_bytes());
     Flood {
         status,
         sent_before_answer,

@@ -107,17 +107,6 @@ fn limits(resp: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// This test process's resident memory (the broker runs in it), from /proc.
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kb * 1024
-}
-
 /// The broker's memory grew by less than this during an output flood.
 const RSS_GROWTH_BOUND: u64 = 100 * 1024 * 1024;
 
@@ -401,9 +390,9 @@ async fn a_sandbox_killed_after_an_out_of_memory_is_not_reported_as_one() {
 async fn flood(tag: &str, lang: &str, code: &str, expect: &str) -> Value {
     let arena = Arena::start(tag).await;
     let s = arena.victim().await;
-    let before = rss_bytes();
+    let before = common::rss_bytes();
     let resp = arena.attack(&s, lang, code, 20000).await;
-    let after = rss_bytes();
+    let after = common::rss_bytes();
     eprintln!("broker RSS {before} -> {after} bytes");
     assert!(
         after.saturating_sub(before) < RSS_GROWTH_BOUND,

@@ -213,6 +213,18 @@ impl Drop for TestBroker {
     }
 }
 
+/// This test process's resident memory, in bytes (`VmRSS`): the in-process broker's
+/// footprint, so tests that read it take turns within their binary.
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
 pub fn stdout(v: &Value) -> &str {
     v["stdout"].as_str().unwrap_or("")
 }
