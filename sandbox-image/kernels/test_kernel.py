@@ -988,6 +988,49 @@ def test_tools_do_not_linger():
 # -- matplotlib -------------------------------------------------------------------------------
 
 
+def test_artist_set_docs_are_made_when_asked_for():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        skip("matplotlib is not installed")
+    with Kernel(mpl_cache=_build_mpl_cache()) as k:
+        code, out, err = k.run(
+            "import inspect, matplotlib.pyplot as plt\n"
+            "from matplotlib.lines import Line2D\n"
+            "from matplotlib.patches import Rectangle\n"
+            "print(type(Line2D.__dict__['set']).__name__, Line2D.set._made)\n"
+            "line, = plt.plot([1, 2])\n"
+            "line.set(color='red', linewidth=3)\n"
+            "print(line.get_color(), line.get_linewidth(), Line2D.set._made)\n"
+            "sig = inspect.signature(Line2D.set)\n"
+            "print('color' in sig.parameters, 'linewidth' in sig.parameters)\n"
+            "print('markersize' in Line2D.set.__doc__, Line2D.set.__qualname__)\n"
+            "print('color' in inspect.signature(line.set).parameters)\n"
+            "print('width' in inspect.signature(Rectangle.set).parameters)\n"
+            "class Mine(Rectangle):\n"
+            "    def set_shade(self, v):\n"
+            "        self.shade = v\n"
+            "m = Mine((0, 0), 1, 1)\n"
+            "m.set(shade=0.5, width=2)\n"
+            "print(m.shade, m.get_width(), 'shade' in inspect.signature(Mine.set).parameters)\n"
+            "try:\n"
+            "    line.set(nonsense=1)\n"
+            "except AttributeError as e:\n"
+            "    print('refused', 'nonsense' in str(e))\n"
+        )
+        assert code == 0, err
+        assert out == (
+            "LazyArtistSet False\n"
+            "red 3.0 False\n"
+            "True True\n"
+            "True Line2D.set\n"
+            "True\n"
+            "True\n"
+            "0.5 2 True\n"
+            "refused True\n"
+        ), out
+
+
 def test_plt_show_saves_plots():
     try:
         import matplotlib  # noqa: F401
