@@ -348,3 +348,20 @@ async fn a_first_exec_in_another_language_stops_the_preload_too() {
         "the kernel ran no code before: {probe}"
     );
 }
+
+#[tokio::test]
+async fn matplotlib_outside_the_kernel_finds_the_font_cache() {
+    let broker = TestBroker::start("pyfontcache").await;
+    // A script run from bash, not the kernel: the runner seeded MPLCONFIGDIR at start.
+    let resp = broker
+        .run(
+            "bash",
+            "ls \"$MPLCONFIGDIR\"\npython3 -c 'import matplotlib.font_manager' && echo imported",
+            None,
+        )
+        .await;
+    let out = stdout(&resp);
+    assert!(out.contains("fontlist-"), "{resp}");
+    assert!(out.contains("imported"), "{resp}");
+    assert!(!stderr(&resp).contains("font cache"), "{resp}");
+}

@@ -985,6 +985,38 @@ def test_tools_do_not_linger():
         assert_ok(k.run("print(add.__name__)", tools=[ADD, {"name": 5}, "x", {"description": "no name"}]), "add\n")
 
 
+def test_pandas_loads_pyarrow_when_used():
+    # The image's lazy-imports.py: pandas imports without pyarrow, which loads with the
+    # first Arrow-backed array; what pandas does with it is unchanged.
+    if not (_has("pandas") and _has("pyarrow")):
+        skip("needs pandas and pyarrow")
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import sys, pandas as pd\n"
+            "print('pyarrow' in sys.modules)\n"
+            "s = pd.Series(['a', None], dtype='string[pyarrow]')\n"
+            "print('pyarrow' in sys.modules, type(s.array).__name__, s.str.upper().tolist())\n"
+            "print(pd.Series([1, 2], dtype='int64[pyarrow]').sum())\n"
+            "print(pd.arrays.ArrowExtensionArray.__name__, 'ArrowStringArray' in dir(pd.arrays))\n"
+            "pd.DataFrame({'x': [1, 2]}).to_parquet('t.parquet')\n"
+            "print(pd.read_parquet('t.parquet')['x'].tolist())\n"
+            "import pytz\n"
+            "print(len(pytz.all_timezones) > 400, 'Europe/Paris' in pytz.common_timezones_set)\n"
+        )
+        assert code == 0, err
+        lines = out.splitlines()
+        if lines[0] == "True":
+            skip("this pandas imports pyarrow itself (not the image's)")
+        assert out == (
+            "False\n"
+            "True ArrowStringArray ['A', <NA>]\n"
+            "3\n"
+            "ArrowExtensionArray True\n"
+            "[1, 2]\n"
+            "True True\n"
+        ), out
+
+
 # -- matplotlib -------------------------------------------------------------------------------
 
 
