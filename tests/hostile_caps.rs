@@ -46,10 +46,94 @@ fn host_memory() -> u64 {
         .expect("MemTotal")
 }
 
-/// The container cap the documentation promises for the defaults: three quarters of the
-/// host's memory over the 1024 MiB a sandbox may use, at least 2.
+/// The container ceiling the documentation promises for the defaults, with the broker on
+/// the Docker host: three quarters of the host's memory over 64 MiB (an idle sandbox), at
+/// least 2; below it, admission by the memory available (`auto_admits_by_the_memory_the_host_has`).
 fn documented_container_cap() -> usize {
-    ((host_memory() / 4 * 3) / (1024 << 20)).max(2) as usize
+    ((host_memory() / 4 * 3) / (64 << 20)).max(2) as usize
+}
+
+/// A proc directory for CODEBROKER_HOST_PROC: this host's MemTotal (the engine's), and
+/// `available_mib` available.
+fn fake_proc(dir: &std::path::Path, available_mib: u64) {
+    let real = std::fs::read_to_string("/proc/meminfo").expect("meminfo");
+    let total = real
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .expect("MemTotal");
+    std::fs::write(
+        dir.join("meminfo"),
+        format!("{total}\nMemAvailable:   {} kB\n", available_mib * 1024),
+    )
+    .expect("write meminfo");
+}
+
+#[tokio::test]
+async fn auto_admits_by_the_memory_the_host_has() {
+    let proc_dir = tempfile::tempdir().expect("tempdir");
+    let plenty = (host_memory() * 9 / 10) >> 20;
+    fake_proc(proc_dir.path(), plenty);
+    let host_proc = proc_dir.path().display().to_string();
+    let (broker, _tmp) = shipped("caps-memory", &["--host-proc", &host_proc]).await;
+    // Memory to spare: two users' sessions start.
+    let (status, first) = exec_as(&broker, "a", json!({"lang": "bash", "code": "echo a"})).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, second) = exec_as(&broker, "b", json!({"lang": "bash", "code": "echo b"})).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(common::containers_of(&broker.instance).len(), 2);
+    // The host runs short (less than a quarter available): a new session takes the place
+    // of the least recently used idle sandbox, whose session keeps its files.
+    fake_proc(proc_dir.path(), (host_memory() / 8) >> 20);
+    let (status, third) = exec_as(&broker, "c", json!({"lang": "bash", "code": "echo c"})).await;
+    assert_eq!(status, 200, "{third}");
+    let first_session = session(&first);
+    let label = format!("codebroker.session={first_session}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !common::docker::containers_matching(&broker.instance, &[&label]).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the least recently used idle sandbox still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Every sandbox running code and no memory: 429, saying why.
+    let busy: Vec<_> = [&second, &third]
+        .iter()
+        .map(|s| {
+            let broker = &broker;
+            let id = session(s);
+            async move {
+                broker
+                    .exec(json!({"lang": "bash", "code": "sleep 6", "session_id": id}))
+                    .await
+            }
+        })
+        .collect();
+    let refused = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        exec_as(&broker, "d", json!({"lang": "bash", "code": "echo d"})).await
+    };
+    let (ran, (status, body)) = tokio::join!(futures::future::join_all(busy), refused);
+    for (status, body) in ran {
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(status, 429, "{body}");
+    assert_rate_limited(&body);
+    assert!(
+        body["message"].to_string().contains("short of memory"),
+        "{body}"
+    );
+    // Memory back: served again, and the first session runs again with its files.
+    fake_proc(proc_dir.path(), plenty);
+    let (status, body) = exec_as(&broker, "d", json!({"lang": "bash", "code": "echo d"})).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = exec_as(
+        &broker,
+        "a",
+        json!({"lang": "bash", "code": "echo again", "session_id": first_session}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
 }
 
 /// POST /exec as `user`.

@@ -640,14 +640,24 @@ pub struct Caps {
     pub user_share_percent: u8,
 
     /// Session sandboxes this broker runs at once, all users together: a number (0: no
-    /// cap), or `auto`: three quarters of the Docker host's memory divided by
-    /// CODEBROKER_MEMORY_MB (at least 2), so that all of them may fill their memory at
-    /// once and the host still has a quarter for itself. Pooled sandboxes waiting for a
-    /// session are not counted. At the cap a new one takes the place of the least
-    /// recently used idle one (its files stay); only when all are running code: 429
-    /// with `retry_after_seconds`.
+    /// cap), or `auto`: by the memory the Docker host has now. With `auto` on the Docker
+    /// host (the broker's /proc shows the engine's memory), a new sandbox is admitted while
+    /// the host's available memory, less 256 MiB for each sandbox being started, stays
+    /// above a quarter of the host and the host is not under memory pressure (PSI), up to
+    /// a ceiling of three quarters of the host over 64 MiB (an idle sandbox); each
+    /// sandbox keeps its own CODEBROKER_MEMORY_MB limit. Elsewhere (a remote engine)
+    /// `auto` is three quarters of the host over CODEBROKER_MEMORY_MB (at least 2).
+    /// Pooled sandboxes waiting for a session are not counted. At the cap, or short of
+    /// memory, a new one takes the place of the least recently used idle one (its files
+    /// stay); only when all are running code: 429 with `retry_after_seconds`.
     #[arg(long, env = "CODEBROKER_MAX_CONTAINERS", default_value = "auto")]
     pub max_containers: ContainerCap,
+
+    /// The Docker host's proc directory, read by CODEBROKER_MAX_CONTAINERS=auto
+    /// (`meminfo`, `pressure/memory`): the broker's own /proc, which in a container shows
+    /// the host's memory; point it at a mount of the host's /proc where it does not (LXCFS).
+    #[arg(long, env = "CODEBROKER_HOST_PROC", default_value = "/proc")]
+    pub host_proc: PathBuf,
 }
 
 /// How callers prove who they are: API keys, JWTs, the mode.
@@ -1078,6 +1088,15 @@ impl std::str::FromStr for ContainerCap {
 
 /// The fewest containers `auto` gives: one user at work and one more.
 pub(crate) const AUTO_CONTAINERS_MIN: usize = 2;
+
+/// `auto`'s hard ceiling on a Docker host of `host_memory` bytes whose memory the broker
+/// reads (`core::capacity`): three quarters of it over what an idle sandbox holds.
+pub(crate) fn auto_ceiling(host_memory: u64) -> usize {
+    let idle = crate::core::capacity::IDLE_SANDBOX_BYTES;
+    usize::try_from(host_memory / 4 * 3 / idle)
+        .unwrap_or(usize::MAX)
+        .max(AUTO_CONTAINERS_MIN)
+}
 
 impl ContainerCap {
     /// The cap in containers (0: none), for a Docker host with `host_memory` bytes of RAM

@@ -22,24 +22,31 @@ const CPU_PARTS: [&str; 4] = [
     "broker + bench client",
 ];
 
+/// The host's busy CPU seconds so far, all CPUs (`/proc/stat`, idle and iowait left out).
+pub(crate) fn host_busy_seconds() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let v: Vec<f64> = s
+                .lines()
+                .next()?
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let idle = v.get(3)? + v.get(4)?;
+            Some((v.iter().sum::<f64>() - idle) / tick)
+        })
+        .unwrap_or(0.0)
+}
+
 impl CpuSnapshot {
     pub(crate) fn take() -> CpuSnapshot {
+        let busy = host_busy_seconds();
         // SAFETY: sysconf has no preconditions.
         let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        let busy = std::fs::read_to_string("/proc/stat")
-            .ok()
-            .and_then(|s| {
-                let v: Vec<f64> = s
-                    .lines()
-                    .next()?
-                    .split_whitespace()
-                    .skip(1)
-                    .filter_map(|x| x.parse().ok())
-                    .collect();
-                let idle = v.get(3)? + v.get(4)?;
-                Some((v.iter().sum::<f64>() - idle) / tick)
-            })
-            .unwrap_or(0.0);
         let mut processes = std::collections::HashMap::new();
         let me = std::process::id();
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {

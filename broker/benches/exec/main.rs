@@ -175,6 +175,58 @@ fn own_rss() -> u64 {
     common::child::proc_status_bytes(std::process::id(), "VmRSS")
 }
 
+/// The CPU model, how many CPUs and how much memory this host has: figures from another
+/// host are read against it.
+fn host_description() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map_or("unknown CPU", |(_, m)| m.trim())
+        .to_string();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0.0, |kib| kib as f64 / (1024.0 * 1024.0));
+    format!("{model}, {cpus} CPUs, {memory:.1} GiB")
+}
+
+/// What a group of rows took: wall time, the host's busy CPU time over it (everything on
+/// the host, the bench's own load included) and the load average at its end.
+struct GroupCost {
+    /// When the group started.
+    started: Instant,
+    /// The host's busy CPU seconds then.
+    busy: f64,
+}
+
+impl GroupCost {
+    fn start() -> GroupCost {
+        GroupCost {
+            started: Instant::now(),
+            busy: cpu::host_busy_seconds(),
+        }
+    }
+
+    /// One line for the notes under the table.
+    fn finish(self, name: &str) -> String {
+        let wall = self.started.elapsed().as_secs_f64();
+        let busy = cpu::host_busy_seconds() - self.busy;
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        let load1 = load.split_whitespace().next().unwrap_or("?");
+        format!(
+            "group {name}: {wall:.0} s, host CPU busy {busy:.0} s ({:.2} CPUs on average), load {load1} at its end",
+            if wall > 0.0 { busy / wall } else { 0.0 }
+        )
+    }
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
@@ -229,6 +281,7 @@ async fn main() {
         )
         .trim()
     );
+    println!("host: {}", host_description());
     println!(
         "load before: {}",
         std::fs::read_to_string("/proc/loadavg")
@@ -249,28 +302,44 @@ async fn main() {
     let mut notes: Vec<String> = Vec::new();
 
     if wanted("warm") {
+        let group = GroupCost::start();
         rows::warm::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("warm"));
     }
     if wanted("new") {
+        let group = GroupCost::start();
         rows::new_session::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("new"));
     }
     if wanted("chat") {
+        let group = GroupCost::start();
         rows::chat::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("chat"));
     }
     if wanted("runsc") {
+        let group = GroupCost::start();
         rows::chat::runsc_rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("runsc"));
     }
     if wanted("burst") {
+        let group = GroupCost::start();
         rows::burst::rows(scale, tmp.path(), &mut rows, &mut notes).await;
+        notes.push(group.finish("burst"));
     }
     if wanted("files") {
+        let group = GroupCost::start();
         rows::files::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("files"));
     }
     if wanted("idle") {
+        let group = GroupCost::start();
         rows::idle::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("idle"));
     }
     if wanted("churn") {
+        let group = GroupCost::start();
         rows::churn::rows(scale, tmp.path(), &mut rows, &mut notes).await;
+        notes.push(group.finish("churn"));
     }
 
     println!(

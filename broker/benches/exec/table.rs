@@ -12,6 +12,9 @@ pub(crate) struct Row {
     figure: Option<String>,
     goal: String,
     baseline: String,
+    /// The row's figure depends on CPU left idle between its samples (a pool refilling in
+    /// the background): on a busier or slower host it is worse for that reason alone.
+    needs_idle_cpu: bool,
 }
 
 impl Row {
@@ -22,6 +25,7 @@ impl Row {
             figure: None,
             goal: goal.into(),
             baseline: baseline.into(),
+            needs_idle_cpu: false,
         }
     }
 
@@ -32,6 +36,24 @@ impl Row {
             figure: Some(figure),
             goal: goal.into(),
             baseline: baseline.into(),
+            needs_idle_cpu: false,
+        }
+    }
+}
+
+impl Row {
+    /// Marks the row as depending on idle CPU (see [`Row::needs_idle_cpu`]).
+    pub(crate) fn on_idle_cpu(mut self) -> Row {
+        self.needs_idle_cpu = true;
+        self
+    }
+
+    /// The name as printed: marked when the row depends on idle CPU.
+    fn shown_name(&self) -> String {
+        if self.needs_idle_cpu {
+            format!("{} [idle CPU]", self.name)
+        } else {
+            self.name.clone()
         }
     }
 }
@@ -78,13 +100,17 @@ pub(crate) fn print(rows: &[Row], notes: &[String]) {
         if let Some(figure) = &row.figure {
             println!(
                 "| {:<50} | {:>5} | {:>33} | {:<22} | {}",
-                row.name, "", figure, row.goal, row.baseline
+                row.shown_name(),
+                "",
+                figure,
+                row.goal,
+                row.baseline
             );
         } else {
             let (p50, p90, p99) = summary(&row.samples);
             println!(
                 "| {:<50} | {:>5} | {:>9.2} | {:>9.2} | {:>9.2} | {:<22} | {}",
-                row.name,
+                row.shown_name(),
                 row.samples.len(),
                 p50,
                 p90,
@@ -93,6 +119,13 @@ pub(crate) fn print(rows: &[Row], notes: &[String]) {
                 row.baseline
             );
         }
+    }
+    if rows.iter().any(|r| r.needs_idle_cpu) {
+        println!(
+            "[idle CPU]: the figure depends on CPU left idle between samples (the pool \
+             refills in the background); on a busier or slower host it is worse for that \
+             reason alone: read it with the host's load and CPU above."
+        );
     }
     for note in notes {
         println!("{note}");

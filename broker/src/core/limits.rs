@@ -14,7 +14,8 @@
 //! gets a budget per user.
 
 use crate::clock::now_ms;
-use crate::config::Caps;
+use crate::config::{Caps, ContainerCap};
+use crate::core::capacity::HostMemory;
 use crate::core::error::{Error, Result};
 use crate::session::{OwnerKey, Registry};
 use sha2::Digest as _;
@@ -110,7 +111,14 @@ pub struct Limits {
     /// Container starts admitted but not yet live, so that starts racing each other cannot
     /// all pass a cap that only one of them fits under.
     starting: Mutex<Starting>,
+    /// With CODEBROKER_MAX_CONTAINERS=auto on the Docker host: admission by the memory
+    /// the host has now, below `max_total` (the hard ceiling).
+    memory: Option<HostMemory>,
 }
+
+/// Seconds a client refused for want of memory is told to wait: memory comes back as
+/// idle sandboxes are removed, not when an exec ends.
+const MEMORY_RETRY_SECS: u64 = 5;
 
 /// Container starts under way.
 #[derive(Default)]
@@ -148,14 +156,7 @@ impl Drop for ContainerSlot<'_> {
         let Some(user) = self.user.take() else {
             return;
         };
-        let mut starting = self.limits.lock();
-        starting.total = starting.total.saturating_sub(1);
-        if let Some(n) = starting.per_user.get_mut(&user) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                starting.per_user.remove(&user);
-            }
-        }
+        Limits::release(&mut self.limits.lock(), &user);
     }
 }
 
@@ -177,7 +178,14 @@ impl Limits {
             };
             TokenBuckets::new(caps.rate_execs_per_minute, burst)
         });
-        let max_total = caps.max_containers.resolve(host_memory, sandbox_memory_mb);
+        let memory = match caps.max_containers {
+            ContainerCap::Auto => HostMemory::for_host(&caps.host_proc, host_memory),
+            ContainerCap::Count(_) => None,
+        };
+        let max_total = match (&memory, host_memory) {
+            (Some(_), Some(host)) => crate::config::auto_ceiling(host),
+            _ => caps.max_containers.resolve(host_memory, sandbox_memory_mb),
+        };
         let max_per_user = match (caps.max_sessions_per_user, max_total) {
             (0, _) => 0,
             (n, 0) => n,
@@ -189,7 +197,18 @@ impl Limits {
             max_total,
             busy_for_ms,
             starting: Mutex::new(Starting::default()),
+            memory,
         }
+    }
+
+    /// Whether the host's memory refuses one more sandbox now (with the starts under way
+    /// counted): then a start first takes an idle sandbox's place, as at the ceiling.
+    pub(crate) fn memory_is_short(&self) -> bool {
+        let Some(memory) = &self.memory else {
+            return false;
+        };
+        let starting = self.lock().total;
+        memory.room(starting).is_err()
     }
 
     /// Most session containers in all (0: no cap).
@@ -283,10 +302,14 @@ impl Limits {
     }
 
     /// Reserves a place for one more container of `owner`'s, when the caps allow it.
+    ///
+    /// `room_made`: idle sandboxes were just removed for this start, so the memory they
+    /// free is about to come back and the host's memory is not read for it.
     pub(crate) fn container_slot(
         &self,
         registry: &Registry,
         owner: &UserKey,
+        room_made: bool,
     ) -> Result<ContainerSlot<'_>> {
         if self.max_per_user == 0 && self.max_total == 0 {
             return Ok(ContainerSlot {
@@ -298,6 +321,15 @@ impl Limits {
         // Counted under the lock, so that two starts cannot both take the last place.
         let mut starting = self.lock();
         self.admit(&mut starting, &live, owner, now_ms())?;
+        if !room_made {
+            if let Some(Err(why)) = self.memory.as_ref().map(|m| m.room(starting.total - 1)) {
+                Self::release(&mut starting, owner);
+                return Err(Error::RateLimited {
+                    message: format!("{why}, and every sandbox is running code; retry later"),
+                    retry_after_seconds: MEMORY_RETRY_SECS,
+                });
+            }
+        }
         Ok(ContainerSlot {
             limits: self,
             user: Some(owner.clone()),
@@ -348,6 +380,17 @@ impl Limits {
         })
         .min()
         .map_or(1, |ms| ms.div_ceil(1000).max(1))
+    }
+
+    /// Uncounts one start of `user`'s (admitted by [`Limits::admit`]).
+    fn release(starting: &mut Starting, user: &UserKey) {
+        starting.total = starting.total.saturating_sub(1);
+        if let Some(n) = starting.per_user.get_mut(user) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                starting.per_user.remove(user);
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Starting> {
@@ -815,14 +858,19 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let registry = Registry::new(tmp.path(), None);
         let limits = limits(|c| c.caps.max_containers = ContainerCap::Count(1));
-        let slot = limits.container_slot(&registry, &u("a")).expect("free");
-        assert!(limits.container_slot(&registry, &u("b")).is_err());
+        let slot = limits
+            .container_slot(&registry, &u("a"), false)
+            .expect("free");
+        assert!(limits.container_slot(&registry, &u("b"), false).is_err());
         drop(slot);
-        assert!(limits.container_slot(&registry, &u("b")).is_ok());
+        assert!(limits.container_slot(&registry, &u("b"), false).is_ok());
         // No cap: nothing is counted.
         let open = self::limits(|_| {});
         let slots: Vec<_> = (0..10)
-            .map(|_| open.container_slot(&registry, &nobody()).expect("open"))
+            .map(|_| {
+                open.container_slot(&registry, &nobody(), false)
+                    .expect("open")
+            })
             .collect();
         assert_eq!(slots.len(), 10);
         assert_eq!(open.lock().total, 0);

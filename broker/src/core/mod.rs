@@ -4,6 +4,7 @@
 //! session (`files.rs`), and the limits on all of them.
 //! The core speaks no HTTP: it fails with [`Error`], which each front end renders.
 
+pub(crate) mod capacity;
 pub(crate) mod diskspace;
 pub(crate) mod error;
 pub(crate) mod exec;

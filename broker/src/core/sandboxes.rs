@@ -45,10 +45,14 @@ impl Broker {
         let owner = session.owner_key();
         // Refused anyway: no other user's idle container is taken for it.
         self.limits.check_user_room(&self.registry, &owner)?;
-        if let Some(removals) = self.make_room(&owner) {
+        let removals = self.make_room(&owner);
+        let room_made = removals.is_some();
+        if let Some(removals) = removals {
             session.hold_until_exec_ends(removals);
         }
-        let _slot = self.limits.container_slot(&self.registry, &owner)?;
+        let _slot = self
+            .limits
+            .container_slot(&self.registry, &owner, room_made)?;
         // Also brings a workspace of an older version to today's owners and modes.
         session
             .workspace
@@ -255,7 +259,16 @@ impl Broker {
             total: 1 + self.pool.cold_starts(),
             user: Some(owner),
         };
-        let victims = evict::victims(&self.evict_policy(), &live, now_ms(), room);
+        let mut policy = self.evict_policy();
+        if self.limits.memory_is_short() {
+            // The host's memory holds no more sandboxes: as at the ceiling, the least
+            // recently used idle ones make room.
+            policy.max_live = match policy.max_live {
+                0 => live.len(),
+                cap => cap.min(live.len()),
+            };
+        }
+        let victims = evict::victims(&policy, &live, now_ms(), room);
         if victims.is_empty() {
             return None;
         }

@@ -244,8 +244,12 @@ impl Broker {
             None
         };
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
+        let room_made = removals.is_some();
         let _slot = for_exec
-            .then(|| self.limits.container_slot(&self.registry, &owner))
+            .then(|| {
+                self.limits
+                    .container_slot(&self.registry, &owner, room_made)
+            })
             .transpose()?;
         // A miss is counted as demand once, when the first exec takes from the pool again.
         let pooled = if for_exec {

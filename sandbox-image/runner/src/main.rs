@@ -140,8 +140,7 @@ fn seed_font_cache() {
     let Some(dest) = var("MPLCONFIGDIR").map(PathBuf::from) else {
         return;
     };
-    let source =
-        var("CODEBROKER_MPL_CACHE").unwrap_or_else(|| "/opt/codebroker/mplconfig".into());
+    let source = var("CODEBROKER_MPL_CACHE").unwrap_or_else(|| "/opt/codebroker/mplconfig".into());
     let Ok(entries) = std::fs::read_dir(&source) else {
         return;
     };

@@ -162,12 +162,15 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
 
     let plain50 = p50(&plain);
     let plain99 = crate::table::summary(&plain).2;
-    rows.push(Row::timed(
-        "new session, pandas + plot (0.5 s apart)",
-        preloaded,
-        "p50<=120 p99<=300",
-        &format!("no preload: p50 {plain50:.0}, p99 {plain99:.0}; issue: 748, p99 1700"),
-    ));
+    rows.push(
+        Row::timed(
+            "new session, pandas + plot (0.5 s apart)",
+            preloaded,
+            "p50<=120 p99<=300",
+            &format!("no preload: p50 {plain50:.0}, p99 {plain99:.0}; issue: 748, p99 1700"),
+        )
+        .on_idle_cpu(),
+    );
     rows.push(Row::timed(
         "  the same, CODEBROKER_PRELOAD empty",
         plain,
@@ -211,10 +214,13 @@ pub(crate) async fn runsc_rows(scale: Scale, data: &std::path::Path, rows: &mut 
     let bench = Bench::start("runsc-chat", data, runsc).await;
     let plots = pandas_plot(&bench, scale.pick(20, 4)).await;
     bench.stop().await;
-    rows.push(Row::timed(
-        "new session, pandas + plot (runsc)",
-        plots,
-        "as low as runc allows",
-        "issue: 3000",
-    ));
+    rows.push(
+        Row::timed(
+            "new session, pandas + plot (runsc)",
+            plots,
+            "as low as runc allows",
+            "issue: 3000",
+        )
+        .on_idle_cpu(),
+    );
 }
