@@ -1202,25 +1202,19 @@ class Preload:
 
 
 def warm_up_plotting():
-    """Draw one small figure into memory, outside pyplot's figure registry: the first
-    plot's font loading, Agg renderer and PNG writer (Pillow) done ahead, and, with pandas
-    loaded, pandas' plotting backend imported (the first df.plot() imports it). A small
-    figure with one line, a title and a legend: a full-size pandas plot would cost four
-    times the CPU for about 15 ms less in the session's first plot, and on a busy host
-    the pool's CPU is what keeps it ahead of new sessions (docs/PERFORMANCE.md)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Load what the first plot loads, without drawing: the Agg canvas, Pillow's PNG
+    writer, the default font (parsed once, then cached by matplotlib) and, with pandas
+    loaded, pandas' plotting backend (the first df.plot() imports it). Drawing a figure
+    here as well cost each pool refill 40 ms of CPU to save the session's first plot
+    about 15 ms (docs/PERFORMANCE.md), and on a busy host the pool's CPU is what keeps it
+    ahead of new sessions."""
+    import PIL.PngImagePlugin  # noqa: F401 (what savefig(..png) imports first)
+    from matplotlib import font_manager
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
 
     if "pandas" in sys.modules:
         import pandas.plotting._matplotlib  # noqa: F401 (what df.plot() imports first)
-    fig = Figure(figsize=(1, 1), dpi=10)
-    ax = fig.add_subplot()
-    ax.plot([0, 1], [0, 1], label="warm-up")
-    ax.set_title("warm-up")
-    ax.legend()
-    FigureCanvasAgg(fig).print_png(io.BytesIO())
+    font_manager.get_font(font_manager.findfont(font_manager.FontProperties()))
 
 
 # --------------------------------------------------------------------------------------------
