@@ -1039,7 +1039,9 @@ def make_tool_function(func_name, tool, socket_path):
 # session's own code decides what it imports, and a taken container spends no CPU on
 # modules its session may never use. The import under way when it stops runs to its end,
 # and the request waits for it: a cell running beside an import can meet a module half
-# initialized (Python's answer to two threads importing each other's modules). A
+# initialized (Python's answer to two threads importing each other's modules). A cell whose
+# code names no import and that has no tools runs at once (`runs_beside_an_import`); if it
+# fails, its traceback waits for the import. A
 # fork() (multiprocessing) waits for the import under way to finish, so the child never
 # inherits a half-imported module whose lock belongs to a thread it does not have. A name
 # that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
@@ -1057,6 +1059,19 @@ def make_tool_function(func_name, tool, socket_path):
 
 PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
 FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
+
+
+def runs_beside_an_import(req):
+    """Whether a request may run while the preload's import under way ends, instead of
+    waiting for it: a cell whose code names no import and that is given no tools (`print(1)`,
+    reading a file). Such a cell starts no import of its own, so it cannot meet a module
+    the preload has half initialized, and it costs no more than the GIL's switch interval
+    beside an import at nice 19; waiting would cost it up to the whole of pandas' import
+    (about 150 ms of CPU). Anything else waits (see "Preload")."""
+    if req.get("type") not in (None, "exec"):
+        return False
+    code = req.get("code")
+    return isinstance(code, str) and "import" not in code and not req.get("tools")
 
 
 def preload_names(modules):
@@ -1913,7 +1928,7 @@ class Kernel:
                         self.preload.stop()  # the session's code decides what it imports now
                     if req.get("type") == "stop_preload":
                         continue  # the runner's, for an exec in another language: no answer
-                    if self.preload is not None:
+                    if self.preload is not None and not runs_beside_an_import(req):
                         self.preload.wait_for_import_under_way()
                     if req.get("type") in ("save_state", "restore_state"):
                         self.serve_state(req)
@@ -1941,6 +1956,10 @@ class Kernel:
                 # SIGINT landed in the kernel's own code around the cell: still an interrupt.
                 signal.signal(signal.SIGINT, _ignore_sigint)
                 exit_code = 1
+            if error is not None and self.preload is not None:
+                # A cell that ran beside the import under way reports its error with
+                # traceback and linecache, which that import may be loading.
+                self.preload.wait_for_import_under_way()
             self.finish(error)
             if os.getpid() != KERNEL_PID:
                 os._exit(exit_code)  # a fork() in user code must not answer for the kernel

@@ -1401,6 +1401,45 @@ def test_a_cell_waits_for_the_import_under_way_so_no_module_is_half_initialized(
         shutil.rmtree(lib, ignore_errors=True)
 
 
+def test_a_cell_without_imports_runs_beside_the_import_under_way():
+    # `print(1)` in a session whose pooled kernel is in the middle of pandas: it starts no
+    # import, so it need not wait for that one to end. A cell that imports, or that fails
+    # (its traceback is formatted with traceback and linecache), still waits.
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    mark = os.path.join(lib, "importing")
+    try:
+        with open(os.path.join(lib, "slow_module.py"), "w") as f:
+            f.write("import time\nopen(%r, 'w').close()\ntime.sleep(1.5)\nVALUE = 7\n" % mark)
+
+        def preloading(k):
+            k.preload(["slow_module"])
+            deadline = time.monotonic() + 10
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert os.path.exists(mark), "the preload never started slow_module"
+            return time.monotonic()
+
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            started = preloading(k)
+            assert_ok(k.run("print(1)"), "1\n")
+            took = time.monotonic() - started
+            assert took < 1.0, "print(1) waited %.2f s for the import under way" % took
+            # The module is still being imported: one that imports it waits and gets it whole.
+            assert_ok(k.run("import slow_module\nprint(slow_module.VALUE)"), "7\n")
+            assert _wait_for_preload(k) is True
+        os.unlink(mark)
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            started = preloading(k)
+            code, out, err = k.run("x = 1\nprint(x / 0)")
+            assert code == 1 and out == "", (code, out, err)
+            assert "ZeroDivisionError" in err and "print(x / 0)" in err, err
+            took = time.monotonic() - started
+            assert took >= 1.4, "the failed cell reported before the import ended (%.2f s)" % took
+            assert_ok(k.run("print(x)"), "1\n")
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
 def test_a_fork_waits_for_the_import_under_way():
     lib = tempfile.mkdtemp(prefix="cb-preload-")
     mark = os.path.join(lib, "importing")
