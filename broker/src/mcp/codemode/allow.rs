@@ -76,7 +76,9 @@ pub(super) fn host_allowed(rules: &[HostRule], url: &reqwest::Url) -> (String, b
 
 /// Whether `ip` is an address of the public internet: not loopback, private, link-local,
 /// unique-local, shared (CGNAT), unspecified, multicast, broadcast, documentation or
-/// reserved. IPv6 forms that carry an IPv4 address (mapped, NAT64, 6to4) are judged by it.
+/// reserved. IPv6 forms that carry an IPv4 address (mapped, NAT64, 6to4) are judged by it;
+/// local-use NAT64 (`64:ff9b:1::/48`) is never public, as its translation is the local
+/// network's own.
 fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_public_v4(v4),
@@ -90,6 +92,9 @@ fn is_public(ip: IpAddr) -> bool {
             };
             if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
                 return is_public_v4(embedded(seg[6], seg[7]));
+            }
+            if seg[..3] == [0x64, 0xff9b, 1] {
+                return false; // local-use NAT64: translated into the operator's network
             }
             if seg[0] == 0x2002 {
                 return is_public_v4(embedded(seg[1], seg[2]));
@@ -222,6 +227,10 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
             "64:ff9b::a9fe:a9fe",
+            // Local-use NAT64 (RFC 8215): translated by the operator's own network, to
+            // addresses this policy cannot see.
+            "64:ff9b:1::a9fe:a9fe",
+            "64:ff9b:1:ffff::808:808",
             "2002:7f00:1::",
             "::127.0.0.1",
         ] {
