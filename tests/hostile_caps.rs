@@ -286,8 +286,8 @@ async fn an_exec_flood_in_one_session_gets_429_while_another_user_runs_code() {
 }
 
 #[tokio::test]
-async fn uploads_that_create_sessions_count_against_the_rate() {
-    let (broker, _tmp) = shipped("caps-upload", &["--rate-execs-per-minute", "3"]).await;
+async fn uploads_count_against_the_rate() {
+    let (broker, _tmp) = shipped("caps-upload", &["--rate-execs-per-minute", "4"]).await;
     let upload = |session_id: Option<String>| {
         let mut form = reqwest::multipart::Form::new().part(
             "file",
@@ -310,12 +310,15 @@ async fn uploads_that_create_sessions_count_against_the_rate() {
         let body: Value = resp.json().await.expect("json");
         made.push(session(&body));
     }
-    let resp = upload(None).await.expect("upload");
-    assert_eq!(resp.status().as_u16(), 429);
-    assert_rate_limited(&resp.json().await.expect("json"));
-    // Into a session of hers, an upload makes nothing new and is not counted.
+    // Into a session of hers, an upload makes nothing new but writes as much: it is
+    // counted too.
     let resp = upload(Some(made[0].clone())).await.expect("upload");
     assert_eq!(resp.status().as_u16(), 200);
+    for into in [None, Some(made[0].clone())] {
+        let resp = upload(into).await.expect("upload");
+        assert_eq!(resp.status().as_u16(), 429);
+        assert_rate_limited(&resp.json().await.expect("json"));
+    }
 }
 
 #[tokio::test]
