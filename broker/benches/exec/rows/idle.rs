@@ -1,14 +1,23 @@
 //! Idle sessions held: the broker's memory and each container's.
 
 use crate::common::docker::running_containers_of;
+use crate::rows::chat::PANDAS_PLOT;
 use crate::table::Row;
 use crate::{container_memory, mib, own_rss, Bench, Scale};
 use serde_json::json;
 use std::time::Duration;
 
-/// Idle sessions held: the broker's memory and each container's.
+/// What `CODEBROKER_MAX_CONTAINERS=auto` counts an idle sandbox as for its ceiling
+/// (`core::capacity::IDLE_SANDBOX_BYTES`).
+const AUTO_IDLE_BYTES: u64 = 64 << 20;
+
+/// Idle sessions held: the broker's memory and each container's; then how many idle and
+/// busy sessions this host holds under `CODEBROKER_MAX_CONTAINERS=auto`.
 pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
     let n = scale.pick(200, 10);
+    // Read before the sessions below take any: what admission would see on a host
+    // serving nobody yet.
+    let available = meminfo("MemAvailable");
     let rss_before = own_rss();
     let bench = Bench::start("idle", data, |c| {
         c.caps.max_live_sandboxes = 0;
@@ -51,6 +60,7 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
     bench.stop().await;
     let median = per.get(per.len() / 2).copied().unwrap_or(0);
     let total: u64 = per.iter().sum();
+    let busy = busy_session_memory(scale, data).await;
     rows.push(Row::figure(
         &format!("{live} idle sessions held: broker RSS"),
         format!("{:.1} MiB ({:.1} before)", mib(rss), mib(rss_before)),
@@ -63,4 +73,55 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
         "",
         "cgroup memory.usage",
     ));
+    rows.push(Row::figure(
+        "  memory per busy session container",
+        format!("median {:.1} MiB", mib(busy)),
+        "",
+        "after pandas + plot",
+    ));
+    let total_memory = meminfo("MemTotal");
+    let ceiling = total_memory / 4 * 3 / AUTO_IDLE_BYTES;
+    let room = available.saturating_sub(total_memory / 4);
+    let holds = |each: u64| (room / each.max(1)).min(ceiling);
+    rows.push(Row::figure(
+        "sessions this host holds, MAX_CONTAINERS=auto",
+        format!("{} idle, {} busy", holds(median), holds(busy)),
+        "",
+        &format!(
+            "ceiling {ceiling}; {:.1} GiB available over a quarter kept; issue: 17",
+            room as f64 / (1u64 << 30) as f64
+        ),
+    ));
+}
+
+/// The median memory of sessions that ran the chat workload (pandas + a plot), the most
+/// an idle chat session keeps.
+async fn busy_session_memory(scale: Scale, data: &std::path::Path) -> u64 {
+    let bench = Bench::start("busy", data, |c| c.pool.pool_size = 2).await;
+    let sessions = scale.pick(8, 2);
+    for _ in 0..sessions {
+        let r = bench.exec(json!({"lang": "py", "code": PANDAS_PLOT})).await;
+        assert_eq!(r["exit_code"], 0, "{r}");
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut per: Vec<u64> = running_containers_of(&bench.instance)
+        .iter()
+        .filter_map(|id| container_memory(id))
+        .collect();
+    bench.stop().await;
+    // The pool's containers are in the listing too (preloaded, no figure drawn): the
+    // largest are the sessions'.
+    per.sort();
+    let busy = &per[per.len().saturating_sub(sessions)..];
+    busy.get(busy.len() / 2).copied().unwrap_or(0)
+}
+
+/// A field of this host's `/proc/meminfo`, in bytes (0 when unreadable).
+fn meminfo(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
 }
