@@ -11,10 +11,16 @@ there (another Debian release of pandas or pytz), so an edit never half-applies.
   60-70 ms of CPU. pandas reads pyarrow's version from its `_generated_version.py`
   instead, and the Arrow-backed arrays load with their first use
   (`pd.arrays.ArrowExtensionArray`, `string[pyarrow]`, `read_parquet`).
+- pandas' test helpers import `socket` (its enums: about 15 ms) for one tuple of network
+  errors; it is imported when that tuple is made.
+- matplotlib registers the geographic projections and mplot3d's Axes3D at import (about
+  25 ms); they are imported the first time a figure asks for `projection="3d"` (or
+  "aitoff", "hammer", "lambert", "mollweide"), or when code imports them itself.
 
 The kernel tests (`test_pandas_loads_pyarrow_when_used`) check the result in the image.
 """
 
+import importlib.util
 import os
 import py_compile
 import sys
@@ -24,6 +30,8 @@ import pytz
 
 PANDAS = os.path.dirname(pandas.__file__)
 PYTZ = os.path.dirname(pytz.__file__)
+# Found without importing it: matplotlib's import reads the font cache and rc files.
+MATPLOTLIB = os.path.dirname(importlib.util.find_spec("matplotlib").origin)
 
 
 def edit(path, old, new):
@@ -227,4 +235,83 @@ def __getattr__(name):
 
 
 EMPTY_STRING_PATTERN""",
+)
+edit(
+    os.path.join(PANDAS, "_testing", "_io.py"),
+    "import io\nimport socket\nimport tarfile\n",
+    "import io\nimport tarfile\n",
+)
+edit(
+    os.path.join(PANDAS, "_testing", "_io.py"),
+    "    import http.client\n    import urllib.error\n",
+    "    import http.client\n    import socket\n    import urllib.error\n",
+)
+edit(
+    os.path.join(MATPLOTLIB, "projections", "__init__.py"),
+    """from .geo import AitoffAxes, HammerAxes, LambertAxes, MollweideAxes
+from .polar import PolarAxes
+from mpl_toolkits.mplot3d import Axes3D
+""",
+    """from .polar import PolarAxes
+
+# codebroker: projections registered by name, imported the first time one is asked for.
+_LAZY_PROJECTIONS = {
+    "aitoff": ("matplotlib.projections.geo", "AitoffAxes"),
+    "hammer": ("matplotlib.projections.geo", "HammerAxes"),
+    "lambert": ("matplotlib.projections.geo", "LambertAxes"),
+    "mollweide": ("matplotlib.projections.geo", "MollweideAxes"),
+    "3d": ("mpl_toolkits.mplot3d", "Axes3D"),
+}
+
+
+def __getattr__(name):
+    for module, attr in _LAZY_PROJECTIONS.values():
+        if attr == name:
+            import importlib
+
+            return getattr(importlib.import_module(module), attr)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+""",
+)
+edit(
+    os.path.join(MATPLOTLIB, "projections", "__init__.py"),
+    """    def get_projection_class(self, name):
+        \"\"\"Get a projection class from its *name*.\"\"\"
+        return self._all_projection_types[name]
+
+    def get_projection_names(self):
+        \"\"\"Return the names of all projections currently registered.\"\"\"
+        return sorted(self._all_projection_types)
+""",
+    """    def get_projection_class(self, name):
+        \"\"\"Get a projection class from its *name*.\"\"\"
+        if name not in self._all_projection_types and name in _LAZY_PROJECTIONS:
+            import importlib
+
+            module, attr = _LAZY_PROJECTIONS[name]
+            self.register(getattr(importlib.import_module(module), attr))
+        return self._all_projection_types[name]
+
+    def get_projection_names(self):
+        \"\"\"Return the names of all projections currently registered.\"\"\"
+        return sorted(set(self._all_projection_types) | set(_LAZY_PROJECTIONS))
+""",
+)
+edit(
+    os.path.join(MATPLOTLIB, "projections", "__init__.py"),
+    """projection_registry.register(
+    axes.Axes,
+    PolarAxes,
+    AitoffAxes,
+    HammerAxes,
+    LambertAxes,
+    MollweideAxes,
+    Axes3D,
+)
+""",
+    """projection_registry.register(
+    axes.Axes,
+    PolarAxes,
+)
+""",
 )

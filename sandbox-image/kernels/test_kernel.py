@@ -985,6 +985,40 @@ def test_tools_do_not_linger():
         assert_ok(k.run("print(add.__name__)", tools=[ADD, {"name": 5}, "x", {"description": "no name"}]), "add\n")
 
 
+def test_projections_and_network_errors_load_when_asked_for():
+    # The image's lazy-imports.py: pyplot registers the 3-D and geographic projections by
+    # name and imports them with the first figure that asks; pandas' test helpers import
+    # socket when they make their tuple of network errors.
+    if not (_has("pandas") and _has("matplotlib")):
+        skip("needs pandas and matplotlib")
+    with Kernel() as k:
+        code, out, err = k.run(
+            "import sys, pandas as pd, matplotlib\n"
+            "matplotlib.use('Agg')\n"
+            "import matplotlib.pyplot as plt, matplotlib.projections as proj\n"
+            "print('mpl_toolkits.mplot3d' in sys.modules, 'socket' in sys.modules)\n"
+            "print({'3d', 'mollweide', 'polar'} <= set(proj.get_projection_names()))\n"
+            "fig = plt.figure()\n"
+            "ax = fig.add_subplot(1, 2, 1, projection='3d')\n"
+            "ax.plot([0, 1], [0, 1], [0, 1])\n"
+            "geo = fig.add_subplot(1, 2, 2, projection='mollweide')\n"
+            "print(type(ax).__name__, type(geo).__name__, proj.Axes3D.__name__)\n"
+            "fig.savefig('p3d.png')\n"
+            "from pandas._testing._io import _get_default_network_errors\n"
+            "errors = _get_default_network_errors()\n"
+            "print(sys.modules['socket'].timeout in errors)\n"
+        )
+        assert code == 0, err
+        if out.startswith("True"):
+            skip("this matplotlib imports mplot3d itself (not the image's)")
+        assert out == (
+            "False False\n"
+            "True\n"
+            "Axes3DSubplot MollweideAxesSubplot Axes3D\n"
+            "True\n"
+        ), out
+
+
 def test_pandas_loads_pyarrow_when_used():
     # The image's lazy-imports.py: pandas imports without pyarrow, which loads with the
     # first Arrow-backed array; what pandas does with it is unchanged.
