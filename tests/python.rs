@@ -353,10 +353,12 @@ async fn a_first_exec_in_another_language_stops_the_preload_too() {
 async fn matplotlib_outside_the_kernel_finds_the_font_cache() {
     let broker = TestBroker::start("pyfontcache").await;
     // A script run from bash, not the kernel: the runner seeded MPLCONFIGDIR at start.
+    // (Listed by Python: under Debian's runsc, coreutils' ls and stat get EINVAL in /tmp.)
     let resp = broker
         .run(
             "bash",
-            "ls \"$MPLCONFIGDIR\"\npython3 -c 'import matplotlib.font_manager' && echo imported",
+            "python3 -c 'import os; print(*os.listdir(os.environ[\"MPLCONFIGDIR\"]))'\n\
+             python3 -c 'import matplotlib.font_manager' && echo imported",
             None,
         )
         .await;
