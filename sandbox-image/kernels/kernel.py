@@ -1040,8 +1040,10 @@ def make_tool_function(func_name, tool, socket_path):
 # modules its session may never use. The import under way when it stops runs to its end,
 # and the request waits for it: a cell running beside an import can meet a module half
 # initialized (Python's answer to two threads importing each other's modules). A cell whose
-# code names no import and that has no tools runs at once (`runs_beside_an_import`); if it
-# fails, its traceback waits for the import. A
+# code names no import and that has no tools runs at once, and the preload goes on beside it
+# (`runs_beside_an_import`): such a cell says nothing yet of what the session will import,
+# and the next cell, often `import pandas`, finds it loaded. If it fails, its traceback
+# waits for the import under way. A
 # fork() (multiprocessing) waits for the import under way to finish, so the child never
 # inherits a half-imported module whose lock belongs to a thread it does not have. A name
 # that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
@@ -1062,12 +1064,13 @@ FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under o
 
 
 def runs_beside_an_import(req):
-    """Whether a request may run while the preload's import under way ends, instead of
-    waiting for it: a cell whose code names no import and that is given no tools (`print(1)`,
-    reading a file). Such a cell starts no import of its own, so it cannot meet a module
-    the preload has half initialized, and it costs no more than the GIL's switch interval
-    beside an import at nice 19; waiting would cost it up to the whole of pandas' import
-    (about 150 ms of CPU). Anything else waits (see "Preload")."""
+    """Whether a request may run while the preload goes on, instead of stopping it and
+    waiting for the import under way: a cell whose code names no import and that is given
+    no tools (`print(1)`, reading a file). Such a cell starts no import of its own, so it
+    cannot meet a module the preload has half initialized; beside the preload it shares the
+    GIL (switched every 5 ms) until the preload ends, where waiting would cost it up to the
+    whole of pandas' import (about 150 ms of CPU). Anything else stops the preload and
+    waits (see "Preload")."""
     if req.get("type") not in (None, "exec"):
         return False
     code = req.get("code")
@@ -1101,7 +1104,29 @@ class Preload:
         self.importing = _thread.allocate_lock()  # held during each import, for fork()
         self.thread_id = None
         self.stopped = False  # set by the main thread at the first request
+        self.ended = False  # set by the thread when it is done (under `switching`)
+        self.switching = _thread.allocate_lock()  # guards `ended` and the switch interval
+        self.saved_switch = None  # the interval before a cell ran beside the preload
         self.gc_paused = False  # this preload turned the garbage collector off (under the lock)
+
+    def share_gil_finely(self):
+        """Before a cell that runs beside the preload: while the import thread runs, hand
+        the GIL over every 0.5 ms instead of 5. The thread holds the GIL while it imports,
+        and each time the cell comes back from a read or a write it waits for a switch:
+        beside a busy import, a small cell took 6-22 ms with the default interval and
+        1-7 ms with this one. The thread puts the interval back when it ends."""
+        with self.switching:
+            if self.ended or self.saved_switch is not None:
+                return
+            self.saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.saved_switch, 0.0005))
+
+    def end_fine_sharing(self):
+        with self.switching:
+            self.ended = True
+            if self.saved_switch is not None:
+                sys.setswitchinterval(self.saved_switch)
+                self.saved_switch = None
 
     def stop(self):
         self.stopped = True
@@ -1176,6 +1201,7 @@ class Preload:
         try:
             self.import_all()
         finally:
+            self.end_fine_sharing()
             with self.importing:
                 self.resume_gc()
             # The runner's `hello` answers say `preloading` until this arrives; the broker
@@ -1924,11 +1950,14 @@ class Kernel:
                         self.start_preload(req.get("modules"))
                         continue  # not answered
                     self.requests_seen = True
-                    if self.preload is not None:
+                    beside = self.preload is not None and runs_beside_an_import(req)
+                    if self.preload is not None and not beside:
                         self.preload.stop()  # the session's code decides what it imports now
                     if req.get("type") == "stop_preload":
                         continue  # the runner's, for an exec in another language: no answer
-                    if self.preload is not None and not runs_beside_an_import(req):
+                    if beside:
+                        self.preload.share_gil_finely()
+                    elif self.preload is not None:
                         self.preload.wait_for_import_under_way()
                     if req.get("type") in ("save_state", "restore_state"):
                         self.serve_state(req)

@@ -1437,16 +1437,19 @@ def test_a_cell_waits_for_the_import_under_way_so_no_module_is_half_initialized(
 
 def test_a_cell_without_imports_runs_beside_the_import_under_way():
     # `print(1)` in a session whose pooled kernel is in the middle of pandas: it starts no
-    # import, so it need not wait for that one to end. A cell that imports, or that fails
-    # (its traceback is formatted with traceback and linecache), still waits.
+    # import, so it need not wait for that one to end, and the preload goes on (the next
+    # cell may well import pandas). A cell that imports, or that fails (its traceback is
+    # formatted with traceback and linecache), still waits.
     lib = tempfile.mkdtemp(prefix="cb-preload-")
     mark = os.path.join(lib, "importing")
     try:
         with open(os.path.join(lib, "slow_module.py"), "w") as f:
             f.write("import time\nopen(%r, 'w').close()\ntime.sleep(1.5)\nVALUE = 7\n" % mark)
+        with open(os.path.join(lib, "after_slow.py"), "w") as f:
+            f.write("")
 
         def preloading(k):
-            k.preload(["slow_module"])
+            k.preload(["slow_module", "after_slow"])
             deadline = time.monotonic() + 10
             while not os.path.exists(mark) and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -1458,9 +1461,22 @@ def test_a_cell_without_imports_runs_beside_the_import_under_way():
             assert_ok(k.run("print(1)"), "1\n")
             took = time.monotonic() - started
             assert took < 1.0, "print(1) waited %.2f s for the import under way" % took
-            # The module is still being imported: one that imports it waits and gets it whole.
+            # The preload went on past that cell, to its end.
+            assert _wait_for_preload(k) is False
+            # The GIL was handed over finely while they ran side by side; the preload's
+            # end put the interval back.
+            assert_ok(k.run("import sys, slow_module\n"
+                            "print(slow_module.VALUE, 'after_slow' in sys.modules, sys.getswitchinterval())"),
+                      "7 True 0.005\n")
+        os.unlink(mark)
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            preloading(k)
+            assert_ok(k.run("print(1)"), "1\n")
+            # The module is still being imported: a cell that imports it stops the preload,
+            # waits for that import and gets the module whole.
             assert_ok(k.run("import slow_module\nprint(slow_module.VALUE)"), "7\n")
             assert _wait_for_preload(k) is True
+            assert_ok(k.run("import sys\nprint('after_slow' in sys.modules)"), "False\n")
         os.unlink(mark)
         with Kernel(env={"PYTHONPATH": lib}) as k:
             started = preloading(k)
