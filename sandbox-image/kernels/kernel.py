@@ -1040,10 +1040,11 @@ def make_tool_function(func_name, tool, socket_path):
 # modules its session may never use. The import under way when it stops runs to its end,
 # and the request waits for it: a cell running beside an import can meet a module half
 # initialized (Python's answer to two threads importing each other's modules). A cell whose
-# code names no import and that has no tools runs at once, and the preload goes on beside it
-# (`runs_beside_an_import`): such a cell says nothing yet of what the session will import,
-# and the next cell, often `import pandas`, finds it loaded. If it fails, its traceback
-# waits for the import under way. A
+# code names no import and that has no tools runs at once, beside the import under way
+# (`runs_beside_an_import`); if it fails, its traceback waits for that import. The preload
+# stops all the same: letting it go on beside such a cell (the next one might import
+# pandas) cost each taken container up to 0.4 s more CPU, which a burst of new sessions
+# took from the refills and from each other (docs/PERFORMANCE.md). A
 # fork() (multiprocessing) waits for the import under way to finish, so the child never
 # inherits a half-imported module whose lock belongs to a thread it does not have. A name
 # that is not a dotted identifier, or whose import fails, is reported in a `log` event (the
@@ -1064,13 +1065,12 @@ FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under o
 
 
 def runs_beside_an_import(req):
-    """Whether a request may run while the preload goes on, instead of stopping it and
-    waiting for the import under way: a cell whose code names no import and that is given
-    no tools (`print(1)`, reading a file). Such a cell starts no import of its own, so it
-    cannot meet a module the preload has half initialized; beside the preload it shares the
-    GIL (switched every 5 ms) until the preload ends, where waiting would cost it up to the
-    whole of pandas' import (about 150 ms of CPU). Anything else stops the preload and
-    waits (see "Preload")."""
+    """Whether a request may run while the preload's import under way ends, instead of
+    waiting for it: a cell whose code names no import and that is given no tools
+    (`print(1)`, reading a file). Such a cell starts no import of its own, so it cannot meet
+    a module the preload has half initialized; beside the import it shares the GIL until
+    the import ends, where waiting would cost it up to the whole of pandas' import (about
+    150 ms of CPU). Anything else waits (see "Preload")."""
     if req.get("type") not in (None, "exec"):
         return False
     code = req.get("code")
@@ -1110,7 +1110,7 @@ class Preload:
         self.gc_paused = False  # this preload turned the garbage collector off (under the lock)
 
     def share_gil_finely(self):
-        """Before a cell that runs beside the preload: while the import thread runs, hand
+        """Before a cell that runs beside the import under way: until the thread ends, hand
         the GIL over every 0.5 ms instead of 5. The thread holds the GIL while it imports,
         and each time the cell comes back from a read or a write it waits for a switch:
         beside a busy import, a small cell took 6-22 ms with the default interval and
@@ -1951,7 +1951,7 @@ class Kernel:
                         continue  # not answered
                     self.requests_seen = True
                     beside = self.preload is not None and runs_beside_an_import(req)
-                    if self.preload is not None and not beside:
+                    if self.preload is not None:
                         self.preload.stop()  # the session's code decides what it imports now
                     if req.get("type") == "stop_preload":
                         continue  # the runner's, for an exec in another language: no answer
