@@ -265,12 +265,18 @@ _LAZY_PROJECTIONS = {
 
 
 def __getattr__(name):
+    import importlib
+
+    if name == "geo":
+        return importlib.import_module("matplotlib.projections.geo")
     for module, attr in _LAZY_PROJECTIONS.values():
         if attr == name:
-            import importlib
-
             return getattr(importlib.import_module(module), attr)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def __dir__():
+    return sorted(set(globals()) | {"geo"} | {attr for _, attr in _LAZY_PROJECTIONS.values()})
 """,
 )
 edit(

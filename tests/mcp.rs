@@ -452,3 +452,29 @@ async fn mcp_sessions_are_capped() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn uploads_into_the_session_count_against_the_rate() {
+    // Two tokens: the first upload makes the session, the second adds to it, the third is
+    // refused as over the rate, like the HTTP route's.
+    let broker = TestBroker::start_with("mcp-uprate", |c| {
+        c.caps.rate_execs_per_minute = 2;
+    })
+    .await;
+    let client = connect(&broker, None).await.expect("connect");
+    let upload = |name: &'static str| {
+        call(
+            &client,
+            "upload_file",
+            json!({"name": name, "content_base64": "aGk="}),
+        )
+    };
+    let first = upload("a.txt").await;
+    assert_eq!(first.is_error, Some(false), "{first:?}");
+    let second = upload("b.txt").await;
+    assert_eq!(second.is_error, Some(false), "{second:?}");
+    let third = upload("c.txt").await;
+    assert_eq!(third.is_error, Some(true), "{third:?}");
+    assert!(text(&third).contains("too many"), "{third:?}");
+    let _ = client.cancel().await;
+}

@@ -443,12 +443,15 @@ def register_source(filename, code):
     entry = (len(code), None, code.splitlines(True), filename)  # mtime None: never evicted
     SOURCES[filename] = entry
     linecache = sys.modules.get("linecache")
-    if linecache is not None:
-        linecache.cache[filename] = entry
+    # Being imported by the preload thread (a cell may run beside it): its `cache` may not
+    # exist yet, and the import hook fills it from SOURCES once linecache is loaded.
+    cache = getattr(linecache, "cache", None)
+    if isinstance(cache, dict) and not getattr(getattr(linecache, "__spec__", None), "_initializing", False):
+        cache[filename] = entry
 
 
 def fill_linecache(linecache):
-    for filename, entry in SOURCES.items():
+    for filename, entry in list(SOURCES.items()):  # a cell may add one meanwhile
         linecache.cache.setdefault(filename, entry)
 
 
@@ -1056,9 +1059,10 @@ def make_tool_function(func_name, tool, socket_path):
 # pays. The pause ends by freezing what was loaded (`gc.freeze()`), so the session's
 # collections do not walk the modules' objects either (its first plot is 4 ms faster, and
 # the first cell after a stopped preload does not pay for a collection of everything the
-# paused imports allocated). The pause ends, under the import lock, before any cell can run:
-# the thread resumes collection when it ends, and so does a request's wait for the import
-# under way.
+# paused imports allocated). The pause ends before any cell can run: the thread resumes
+# collection when it ends, and so does a request's wait for the import under way, or a cell
+# that runs beside that import (the rest of which then runs with collection on: a stopped
+# preload pauses nothing again).
 
 PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
 FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
@@ -1074,7 +1078,16 @@ def runs_beside_an_import(req):
     if req.get("type") not in (None, "exec"):
         return False
     code = req.get("code")
-    return isinstance(code, str) and "import" not in code and not req.get("tools")
+    return (
+        isinstance(code, str)
+        and not any(word in code for word in IMPORTING_WORDS)
+        and not req.get("tools")
+    )
+
+
+# Words of a cell's code that make the kernel or Python import a module: an import of any
+# kind, top-level await (the kernel imports asyncio), help() (pydoc), breakpoint() (pdb).
+IMPORTING_WORDS = ("import", "await", "async", "help(", "breakpoint(")
 
 
 def preload_names(modules):
@@ -1107,7 +1120,8 @@ class Preload:
         self.ended = False  # set by the thread when it is done (under `switching`)
         self.switching = _thread.allocate_lock()  # guards `ended` and the switch interval
         self.saved_switch = None  # the interval before a cell ran beside the preload
-        self.gc_paused = False  # this preload turned the garbage collector off (under the lock)
+        self.gc_paused = False  # this preload turned the garbage collector off (under gc_lock)
+        self.gc_lock = _thread.allocate_lock()  # pause and resume: the thread's or a cell's
 
     def share_gil_finely(self):
         """Before a cell that runs beside the import under way: until the thread ends, hand
@@ -1132,30 +1146,38 @@ class Preload:
         self.stopped = True
 
     def pause_gc(self):
-        """Turns the collector off for the imports, unless it is off already. Under the lock."""
-        if not self.gc_paused and gc.isenabled():
-            gc.disable()
-            self.gc_paused = True
+        """Turns the collector off for the imports, unless it is off already or a request
+        came (a cell then runs with it on)."""
+        with self.gc_lock:
+            if not self.stopped and not self.gc_paused and gc.isenabled():
+                gc.disable()
+                self.gc_paused = True
 
     def resume_gc(self):
         """Turns the collector back on if this preload turned it off, after freezing what
         was imported meanwhile: collected now, the objects of the paused imports would all
         be walked at the session's first allocation (tens of milliseconds in the first cell
-        after a preload that was stopped). Under the lock."""
-        if self.gc_paused:
-            self.gc_paused = False
-            gc.freeze()
-            gc.enable()
+        after a preload that was stopped). Called by the thread when it ends, by a request
+        that waited for the import under way, and before a cell that runs beside it (so
+        that neither the cell's garbage is frozen nor its collections paused)."""
+        with self.gc_lock:
+            if self.gc_paused:
+                self.gc_paused = False
+                gc.freeze()
+                gc.enable()
 
     def wait_for_import_under_way(self):
         """Blocks until the import under way (if any) has ended. A cell must not run beside
         it: two threads importing modules that import each other (traceback and linecache
         while pandas loads) get one of them half initialized, since Python breaks such an
         import deadlock by handing out the partial module. The cell that follows runs with
-        the garbage collector on."""
+        the garbage collector on, and with the usual GIL switch interval (the preload is
+        stopped: nothing is imported beside it any more)."""
         if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
             try:
                 self.resume_gc()
+                if self.stopped:
+                    self.end_fine_sharing()
             finally:
                 self.importing.release()
 
@@ -1174,6 +1196,8 @@ class Preload:
         if _thread.get_ident() == self.thread_id:
             return  # a module of the list that forks while it is imported
         if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
+            if self.stopped:
+                self.end_fine_sharing()  # the child has no preload thread to put it back
             self.importing.release()
 
     def log(self, text):
@@ -1890,8 +1914,9 @@ class Kernel:
         if self.preload is not None or self.requests_seen:
             return
         names, bad = preload_names(modules)
-        self.preload = Preload(names, bad, self)
-        self.preload.start()
+        preload = Preload(names, bad, self)
+        preload.start()  # if no thread can start, there is no preload
+        self.preload = preload
 
     def serve_state(self, req):
         """A `save_state` or `restore_state` request (see "State"), run like a cell: in the
@@ -1956,6 +1981,7 @@ class Kernel:
                     if req.get("type") == "stop_preload":
                         continue  # the runner's, for an exec in another language: no answer
                     if beside:
+                        self.preload.resume_gc()  # the cell's own garbage is collected as usual
                         self.preload.share_gil_finely()
                     elif self.preload is not None:
                         self.preload.wait_for_import_under_way()

@@ -11,6 +11,10 @@ use std::time::Duration;
 /// (`core::capacity::IDLE_SANDBOX_BYTES`).
 const AUTO_IDLE_BYTES: u64 = 64 << 20;
 
+/// What admission keeps free for each start under way
+/// (`core::capacity::STARTING_SANDBOX_BYTES`).
+const AUTO_STARTING_BYTES: u64 = 256 << 20;
+
 /// Idle sessions held: the broker's memory and each container's; then how many idle and
 /// busy sessions this host holds under `CODEBROKER_MAX_CONTAINERS=auto`.
 pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Row>) {
@@ -82,7 +86,13 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
     let total_memory = meminfo("MemTotal");
     let ceiling = total_memory / 4 * 3 / AUTO_IDLE_BYTES;
     let room = available.saturating_sub(total_memory / 4);
-    let holds = |each: u64| (room / each.max(1)).min(ceiling);
+    // Admission keeps room for one start under way (core::capacity): the last sandbox
+    // admitted leaves that much above the reserve. Unreadable cgroups: no figure.
+    let holds = |each: u64| match room.checked_sub(AUTO_STARTING_BYTES) {
+        _ if each == 0 => "n/a".to_string(),
+        Some(left) => (left / each + 1).min(ceiling).to_string(),
+        None => "0".to_string(),
+    };
     rows.push(Row::figure(
         "sessions this host holds, MAX_CONTAINERS=auto",
         format!("{} idle, {} busy", holds(median), holds(busy)),
