@@ -22,6 +22,7 @@ mod sandbox;
 mod session;
 mod workspace;
 
+pub use crate::core::capacity::{read_meminfo, sandboxes_that_fit};
 pub use crate::core::Broker;
 pub use mcp::codemode;
 

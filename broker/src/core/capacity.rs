@@ -95,8 +95,21 @@ impl HostMemory {
     }
 }
 
+/// How many sandboxes of `each` bytes `auto` admits, one after another, on a host of
+/// `total` bytes with `available` bytes available now: the ceiling, or fewer when the
+/// memory runs short first (the last one admitted still left a start's worth above the
+/// reserve). For the bench, which shows what this host holds.
+pub fn sandboxes_that_fit(total: u64, available: u64, each: u64) -> u64 {
+    let ceiling = crate::config::auto_ceiling(total) as u64;
+    let by_memory = match available.checked_sub(total / 4 + STARTING_SANDBOX_BYTES) {
+        Some(left) => left / each.max(1) + 1,
+        None => 0,
+    };
+    by_memory.min(ceiling)
+}
+
 /// A `meminfo` field, in bytes.
-fn read_meminfo(proc_dir: &Path, field: &str) -> Option<u64> {
+pub fn read_meminfo(proc_dir: &Path, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(proc_dir.join("meminfo")).ok()?;
     text.lines().find_map(|line| {
         let rest = line.strip_prefix(field)?.strip_prefix(':')?;
@@ -186,6 +199,30 @@ mod tests {
         assert!(HostMemory::for_host(proc.path(), None).is_none());
         let missing = tempfile::tempdir().expect("tempdir");
         assert!(HostMemory::for_host(missing.path(), Some(8 * GIB)).is_none());
+    }
+
+    #[test]
+    fn the_sandboxes_that_fit_are_those_room_admits_one_by_one() {
+        let total = 24 * GIB;
+        // Idle ones: the ceiling (3/4 of the host over 64 MiB) comes first.
+        assert_eq!(sandboxes_that_fit(total, 20 * GIB, 8 << 20), 288);
+        // Busy ones: the memory; check against room() with the host filled that far.
+        let each = 100 << 20;
+        let n = sandboxes_that_fit(total, 20 * GIB, each);
+        let room_after = |k: u64| {
+            let proc = fake_proc(24 * 1024, (20 * GIB - k * each) >> 20, None);
+            HostMemory::for_host(proc.path(), Some(total))
+                .expect("same host")
+                .room(0)
+        };
+        assert!(room_after(n - 1).is_ok(), "the {n}th is admitted");
+        assert!(room_after(n).is_err(), "the {}th is not", n + 1);
+        assert_eq!(sandboxes_that_fit(total, 5 * GIB, each), 0);
+        assert_eq!(
+            sandboxes_that_fit(total, 20 * GIB, 0),
+            288,
+            "no figure: the ceiling"
+        );
     }
 
     #[test]

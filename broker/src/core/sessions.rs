@@ -88,6 +88,14 @@ impl Broker {
             .await
     }
 
+    /// An upload into an existing session costs the caller one exec of its rate, as one
+    /// that makes a session does (in `create_session`): each writes to disk and to the
+    /// file index. For every front end that uploads (HTTP, MCP).
+    pub(crate) fn charge_upload(&self, tenant: Option<&str>, user: Option<&str>) -> Result<()> {
+        self.limits
+            .check_exec(&(tenant.map(str::to_string), user.map(str::to_string)))
+    }
+
     /// Refuses refs to files of sessions of the caller's tenant that `user` may not see.
     /// Unknown sessions pass: the exec runs and names the missing input. So do sessions of
     /// other tenants and of shared files: those shared in the caller's tenant are placed

@@ -46,12 +46,7 @@ impl CodeTools {
                     .and_then(|id| broker.registry.get(id))
                     .filter(|s| s.visible_to(tenant, user));
                 match found {
-                    // Adding to a session costs the caller one exec of its rate, as making
-                    // one does (HTTP uploads alike).
-                    Some(s) => broker
-                        .limits
-                        .check_exec(&(tenant.map(str::to_string), user.map(str::to_string)))
-                        .map(|()| s),
+                    Some(s) => broker.charge_upload(tenant, user).map(|()| s),
                     None => broker.new_session(tenant, user, None, false).await,
                 }
             })

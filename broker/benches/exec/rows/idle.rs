@@ -4,16 +4,9 @@ use crate::common::docker::running_containers_of;
 use crate::rows::chat::PANDAS_PLOT;
 use crate::table::Row;
 use crate::{container_memory, mib, own_rss, Bench, Scale};
+use codebroker::{read_meminfo, sandboxes_that_fit};
 use serde_json::json;
 use std::time::Duration;
-
-/// What `CODEBROKER_MAX_CONTAINERS=auto` counts an idle sandbox as for its ceiling
-/// (`core::capacity::IDLE_SANDBOX_BYTES`).
-const AUTO_IDLE_BYTES: u64 = 64 << 20;
-
-/// What admission keeps free for each start under way
-/// (`core::capacity::STARTING_SANDBOX_BYTES`).
-const AUTO_STARTING_BYTES: u64 = 256 << 20;
 
 /// Idle sessions held: the broker's memory and each container's; then how many idle and
 /// busy sessions this host holds under `CODEBROKER_MAX_CONTAINERS=auto`.
@@ -84,14 +77,12 @@ pub(crate) async fn rows(scale: Scale, data: &std::path::Path, rows: &mut Vec<Ro
         "after pandas + plot",
     ));
     let total_memory = meminfo("MemTotal");
-    let ceiling = total_memory / 4 * 3 / AUTO_IDLE_BYTES;
+    let ceiling = sandboxes_that_fit(total_memory, u64::MAX, 1);
     let room = available.saturating_sub(total_memory / 4);
-    // Admission keeps room for one start under way (core::capacity): the last sandbox
-    // admitted leaves that much above the reserve. Unreadable cgroups: no figure.
-    let holds = |each: u64| match room.checked_sub(AUTO_STARTING_BYTES) {
-        _ if each == 0 => "n/a".to_string(),
-        Some(left) => (left / each + 1).min(ceiling).to_string(),
-        None => "0".to_string(),
+    // Unreadable cgroups: no figure.
+    let holds = |each: u64| match each {
+        0 => "n/a".to_string(),
+        _ => sandboxes_that_fit(total_memory, available, each).to_string(),
     };
     rows.push(Row::figure(
         "sessions this host holds, MAX_CONTAINERS=auto",
@@ -128,10 +119,5 @@ async fn busy_session_memory(scale: Scale, data: &std::path::Path) -> u64 {
 
 /// A field of this host's `/proc/meminfo`, in bytes (0 when unreadable).
 fn meminfo(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
+    read_meminfo(std::path::Path::new("/proc"), field).unwrap_or(0)
 }

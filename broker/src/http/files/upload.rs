@@ -252,7 +252,7 @@ async fn upload_session(
             .get(id)
             .filter(|s| s.visible_to(tenant, user))
         {
-            rate_upload(broker, tenant, user)?;
+            broker.charge_upload(tenant, user)?;
             return Ok(s);
         }
     }
@@ -262,24 +262,13 @@ async fn upload_session(
             .by_entity(tenant, user, entity)
             .filter(|s| s.visible_to(tenant, user))
         {
-            rate_upload(broker, tenant, user)?;
+            broker.charge_upload(tenant, user)?;
             return Ok(s);
         }
     }
     Ok(broker
         .new_session(tenant, user, field("entity_id"), false)
         .await?)
-}
-
-/// An upload into an existing session costs the caller one exec of its rate, as one that
-/// makes a session does: each writes to disk and to the file index.
-fn rate_upload(
-    broker: &crate::core::Broker,
-    tenant: Option<&str>,
-    user: Option<&str>,
-) -> AppResult<()> {
-    let owner = (tenant.map(str::to_string), user.map(str::to_string));
-    Ok(broker.limits.check_exec(&owner)?)
 }
 
 /// Whether an upload's files are shared in the caller's tenant: `kind` `skill` or `agent`
