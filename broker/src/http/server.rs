@@ -16,6 +16,8 @@
 //! - `TCP_USER_TIMEOUT`, so a peer that vanished does not hold a slot for the kernel's
 //!   15-minute retransmission limit.
 //! - A bound on the buffered request head ([`MAX_HEAD_BYTES`]).
+//! - A lingering close ([`LINGER`]): a connection closed with a body still arriving drops
+//!   the rest for a moment, so the client reads the refusal instead of a reset.
 //!
 //! Pipelined requests are handled one at a time per connection (HTTP/1), with at most
 //! [`MAX_HEAD_BYTES`] of them read ahead and as much of their answers buffered: a client
@@ -55,6 +57,16 @@ const PEER_OVER_CAP: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
 Content-Type: application/json\r\nContent-Length: 95\r\nRetry-After: 1\r\n\
 Connection: close\r\n\r\n\
 {\"error\":\"unavailable\",\"message\":\"too many connections from this address; close one and retry\"}";
+
+/// How long a closing connection keeps reading, and dropping, what its client still sends
+/// after the answer and the write side's FIN. Closing a socket with unread bytes resets
+/// it, and a reset makes the client's kernel drop the answer it has not read yet: a client
+/// refused mid-body (a 401, a 503, a 413) would see "connection reset" instead of why.
+/// This is the lingering close of Apache and nginx, bounded in time and bytes.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Most bytes a lingering close reads before it gives up and resets.
+const LINGER_BYTES: usize = 16 * 1024 * 1024;
 
 /// The limits of [`serve`].
 #[derive(Debug, Clone, Copy)]
@@ -219,6 +231,9 @@ pub(crate) struct WriteDeadline {
     timeout: Duration,
     /// Running while a write is pending; `None` after any progress.
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set once the write side is shut: the end of the lingering close, and the bytes it
+    /// has dropped so far.
+    lingering: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
 }
 
 impl WriteDeadline {
@@ -227,6 +242,28 @@ impl WriteDeadline {
             tcp,
             timeout,
             stalled: None,
+            lingering: None,
+        }
+    }
+
+    /// Reads and drops what the client still sends until it closes, [`LINGER`] passes
+    /// or [`LINGER_BYTES`] arrive; ready in every case, since the connection is done.
+    fn poll_linger(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some((until, dropped)) = self.lingering.as_mut() else {
+            return Poll::Ready(());
+        };
+        let mut scratch = [0u8; 8192];
+        loop {
+            if *dropped >= LINGER_BYTES {
+                return Poll::Ready(());
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.tcp).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => return Poll::Ready(()),
+                Poll::Ready(Ok(())) => *dropped += buf.filled().len(),
+                Poll::Ready(Err(_)) => return Poll::Ready(()),
+                Poll::Pending => return until.as_mut().poll(cx),
+            }
         }
     }
 
@@ -299,8 +336,14 @@ impl AsyncWrite for WriteDeadline {
         Pin::new(&mut self.tcp).poll_flush(cx)
     }
 
+    /// Sends the FIN, then lingers (see [`LINGER`]) so the answer is read before the
+    /// socket closes.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_shutdown(cx)
+        if self.lingering.is_none() {
+            std::task::ready!(Pin::new(&mut self.tcp).poll_shutdown(cx))?;
+            self.lingering = Some((Box::pin(tokio::time::sleep(LINGER)), 0));
+        }
+        self.poll_linger(cx).map(Ok)
     }
 }
 
@@ -358,6 +401,54 @@ mod tests {
             Some(Duration::from_secs(30))
         );
         assert!(sock.tcp_nodelay().expect("getsockopt"));
+    }
+
+    /// A client refused before its body was read still gets the answer: the connection
+    /// drops the rest of the body instead of resetting under the client's writes.
+    #[tokio::test]
+    async fn a_client_refused_mid_body_reads_the_refusal() {
+        use std::io::{Read as _, Write as _};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let app = Router::new().route(
+            "/",
+            axum::routing::post(|| async { (hyper::StatusCode::UNAUTHORIZED, "no key") }),
+        );
+        let limits = ServeLimits {
+            max_connections: 4,
+            max_connections_per_peer: 4,
+            header_read_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, app, limits, async {
+            let _ = stopped.await;
+        }));
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
+            let body = vec![b'0'; 8 * 1024 * 1024];
+            let head = format!(
+                "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).expect("head");
+            // Sent in pieces with pauses, so the answer and the close come mid-body.
+            for piece in body.chunks(256 * 1024) {
+                s.write_all(piece)?;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let mut answer = String::new();
+            s.read_to_string(&mut answer)?;
+            Ok::<_, io::Error>(answer)
+        })
+        .await
+        .expect("client");
+        let answer = answer.expect("the body is sent and the answer read without a reset");
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+        let _ = stop.send(());
+        server.await.expect("join").expect("serve");
     }
 
     #[test]
