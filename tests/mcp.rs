@@ -478,3 +478,77 @@ async fn uploads_into_the_session_count_against_the_rate() {
     assert!(text(&third).contains("too many"), "{third:?}");
     let _ = client.cancel().await;
 }
+
+/// The audit log's promise holds on every front end: an MCP upload and an MCP read are
+/// recorded and counted like the same over HTTP.
+#[tokio::test]
+async fn mcp_uploads_and_reads_are_audited_and_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("audit.jsonl");
+    let log_setting = log.to_string_lossy().to_string();
+    let broker = TestBroker::start_with("mcp-audit", |c| c.audit_log = log_setting).await;
+    let client = connect(&broker, None).await.expect("connect");
+    let uploaded = call(
+        &client,
+        "upload_file",
+        json!({"name": "notes.txt", "content_base64": base64::engine::general_purpose::STANDARD.encode("hello\n")}),
+    )
+    .await;
+    assert_eq!(uploaded.is_error, Some(false), "{uploaded:?}");
+    let session = structured(&uploaded)["session_id"]
+        .as_str()
+        .expect("session_id")
+        .to_string();
+    let read = call(
+        &client,
+        "read_file",
+        json!({"session_id": session, "name": "notes.txt"}),
+    )
+    .await;
+    assert_eq!(text(&read), "hello\n", "{read:?}");
+    let _ = client.cancel().await;
+
+    // The writer is a thread of its own: give it a moment.
+    let mut records: Vec<Value> = Vec::new();
+    for _ in 0..50 {
+        records = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+            .collect();
+        if ["upload", "download"]
+            .iter()
+            .all(|e| records.iter().any(|r| r["event"] == *e))
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    for event in ["upload", "download"] {
+        let record = records
+            .iter()
+            .find(|r| r["event"] == event)
+            .unwrap_or_else(|| panic!("no {event} record: {records:?}"));
+        assert_eq!(record["session"], session.as_str(), "{record}");
+        assert_eq!(record["files"][0]["name"], "notes.txt", "{record}");
+        assert_eq!(record["files"][0]["size"], 6, "{record}");
+    }
+    let metrics = broker
+        .client
+        .get(broker.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for name in [
+        "codebroker_upload_bytes_total 6",
+        "codebroker_download_bytes_total 6",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l.trim() == name),
+            "{name} missing: {metrics}"
+        );
+    }
+}

@@ -5,6 +5,7 @@
 use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
 use crate::core::limits::{too_many_names, MAX_NAMES_PER_BLOB, NAMES_CAP_FROM_BYTES};
+use crate::core::observe::{observe_files, FileEvent};
 use crate::core::{Broker, InputFile};
 use crate::ids::new_id;
 use crate::session::Session;
@@ -36,6 +37,8 @@ pub(crate) struct UploadOptions {
     pub(crate) read_only: bool,
     /// The new contract's `kind` (`user`, `agent`, `skill`).
     pub(crate) kind: Option<String>,
+    /// The user the upload is for, as the audit log names it (else the session's user).
+    pub(crate) by: Option<String>,
 }
 
 /// An exec's input ref that is in place in `/mnt/data`: how the client named it, and
@@ -322,6 +325,16 @@ impl Broker {
         save_index(&session.workspace, &index).await?;
         delete_unused_blobs(&session.workspace, &index, unused).await;
         session.touch();
+        if !records.is_empty() {
+            observe_files(
+                &self.metrics,
+                &self.audit,
+                FileEvent::Upload,
+                options.by.as_deref(),
+                session,
+                &records.iter().collect::<Vec<_>>(),
+            );
+        }
         result.map(|()| records)
     }
 
@@ -556,9 +569,87 @@ impl Broker {
                 != crate::config::SandboxUids::Shared(crate::workspace::euid())
     }
 
-    /// Deletes one file id: its record, its bytes when no other id needs them, and the
-    /// sandbox's copy when it is still that version.
-    pub(crate) async fn delete_file(&self, session: &Arc<Session>, file_id: &str) -> Result<()> {
+    /// Deletes one file id for a client (`user`), audited: its record, its bytes when no
+    /// other id needs them, and the sandbox's copy when it is still that version.
+    pub(crate) async fn delete_file(
+        &self,
+        session: &Arc<Session>,
+        file_id: &str,
+        user: Option<&str>,
+    ) -> Result<()> {
+        let deleted = self.remove_file_id(session, file_id).await?;
+        observe_files(
+            &self.metrics,
+            &self.audit,
+            FileEvent::Delete,
+            user,
+            session,
+            &deleted.iter().take(1).collect::<Vec<_>>(),
+        );
+        Ok(())
+    }
+
+    /// Opens the broker-owned copy of `record` for a client (`user`), counted and audited
+    /// as a download: what the sandbox did to the file since cannot change it, and no
+    /// sandbox path is opened. Returns the file and its size.
+    pub(crate) async fn open_download(
+        &self,
+        session: &Session,
+        record: &FileRecord,
+        user: Option<&str>,
+    ) -> Result<(tokio::fs::File, u64)> {
+        let not_found = || Error::NotFound(format!("file {} not found", record.id));
+        let file = tokio::fs::File::open(session.workspace.blob_path(&record.sha256))
+            .await
+            .map_err(|_| not_found())?;
+        let size = file.metadata().await.map_or(record.size, |m| m.len());
+        // Counted when served (a client that stops reading early still counts in full).
+        let served = FileRecord {
+            size,
+            ..record.clone()
+        };
+        observe_files(
+            &self.metrics,
+            &self.audit,
+            FileEvent::Download,
+            user,
+            session,
+            &[&served],
+        );
+        Ok((file, size))
+    }
+
+    /// The bytes of `record` for a client (`user`) that shows them inline, counted and
+    /// audited as a download.
+    pub(crate) async fn read_download(
+        &self,
+        session: &Session,
+        record: &FileRecord,
+        user: Option<&str>,
+    ) -> Result<Vec<u8>> {
+        let bytes = crate::render::read_blob(session, record).await?;
+        let served = FileRecord {
+            size: bytes.len() as u64,
+            ..record.clone()
+        };
+        observe_files(
+            &self.metrics,
+            &self.audit,
+            FileEvent::Download,
+            user,
+            session,
+            &[&served],
+        );
+        Ok(bytes)
+    }
+
+    /// Removes one file id (its record, its bytes when no other id needs them, the
+    /// sandbox's copy when it is still that version); returns its records.
+    async fn remove_file_id(
+        &self,
+        session: &Arc<Session>,
+        file_id: &str,
+    ) -> Result<Vec<FileRecord>> {
         let _turn = session.acquire().await;
         let (dropped, index) = {
             let mut index = session.index();
@@ -569,6 +660,7 @@ impl Broker {
             (dropped, index.clone())
         };
         save_index(&session.workspace, &index).await?;
+        let deleted = dropped.records.clone();
         let workspace = session.workspace.clone();
         let (at, backend) = (session.files(), self.backend.clone());
         tokio::task::spawn_blocking(move || {
@@ -579,7 +671,7 @@ impl Broker {
         })
         .await
         .map_err(|e| Error::internal(format!("delete task failed: {e}")))?;
-        Ok(())
+        Ok(deleted)
     }
 
     /// Whether a file version is past the file TTL.
@@ -601,7 +693,7 @@ impl Broker {
                 .map(|r| r.id.clone())
                 .collect();
             for id in expired {
-                let _ = self.delete_file(&session, &id).await;
+                let _ = self.remove_file_id(&session, &id).await;
             }
             let idle = now_ms().saturating_sub(session.last_used_ms()) >= ttl_ms;
             if idle && session.sandbox().is_none() && session.index().files.is_empty() {

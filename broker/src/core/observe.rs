@@ -1,5 +1,6 @@
-//! Watching one exec for the operators. Each observer is told how the exec ended: the
-//! metrics count it and time it, and the audit log records who ran what.
+//! Watching execs and file operations for the operators. Each exec observer is told how
+//! the exec ended: the metrics count it and time it, and the audit log records who ran
+//! what. Uploads, downloads and deletes are counted and recorded by [`observe_files`].
 
 use crate::audit::Audit;
 use crate::core::{ExecInput, ExecOutput};
@@ -153,6 +154,63 @@ impl Drop for ExecObservation<'_> {
             observer.failed(seconds);
         }
     }
+}
+
+/// A file operation a client asked for, whichever front end it came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FileEvent {
+    /// Files stored into a session.
+    Upload,
+    /// A file's bytes handed to a client.
+    Download,
+    /// A file id deleted.
+    Delete,
+}
+
+impl FileEvent {
+    /// Its name in the audit log.
+    fn name(self) -> &'static str {
+        match self {
+            FileEvent::Upload => "upload",
+            FileEvent::Download => "download",
+            FileEvent::Delete => "delete",
+        }
+    }
+}
+
+/// Counts a file operation's bytes and writes its audit record: the one place every front
+/// end's uploads, downloads and deletes are observed, so the audit log holds a record of
+/// each however it was asked for.
+pub(crate) fn observe_files(
+    metrics: &Metrics,
+    audit: &Audit,
+    event: FileEvent,
+    user: Option<&str>,
+    session: &Session,
+    files: &[&crate::workspace::FileRecord],
+) {
+    let bytes: u64 = files.iter().map(|r| r.size).sum();
+    match event {
+        FileEvent::Upload => metrics.uploaded(bytes),
+        FileEvent::Download => metrics.downloaded(bytes),
+        FileEvent::Delete => {}
+    }
+    let listed: Vec<_> = files
+        .iter()
+        .map(|r| match event {
+            FileEvent::Delete => json!({ "id": r.id, "name": r.name }),
+            _ => json!({ "id": r.id, "name": r.name, "size": r.size }),
+        })
+        .collect();
+    let mut record = json!({
+        "user": user.or(session.meta.user.as_deref()),
+        "session": session.id(),
+        "files": listed,
+    });
+    if event == FileEvent::Upload {
+        record["bytes"] = json!(bytes);
+    }
+    audit.record(event.name(), record);
 }
 
 /// The engine's failed calls are counted on `/metrics`.

@@ -5,9 +5,7 @@ use crate::core::files::{StagedFile, UploadOptions};
 use crate::core::{Broker, Error};
 use crate::http::auth::Caller;
 use crate::ids::new_id;
-use crate::render::{
-    content_type, download_url, inline_image_mime, read_blob, MAX_INLINE_IMAGE_BYTES,
-};
+use crate::render::{content_type, download_url, inline_image_mime, MAX_INLINE_IMAGE_BYTES};
 use crate::session::Session;
 use crate::workspace::FileRecord;
 use base64::Engine as _;
@@ -65,7 +63,14 @@ impl CodeTools {
         let stored = match tokio::fs::write(&temp, &bytes).await {
             Ok(()) => {
                 broker
-                    .store_uploads(&session, vec![staged], UploadOptions::default())
+                    .store_uploads(
+                        &session,
+                        vec![staged],
+                        UploadOptions {
+                            by: caller.user.clone(),
+                            ..UploadOptions::default()
+                        },
+                    )
                     .await
             }
             Err(e) => Err(Error::internal(format!("cannot stage upload: {e}"))),
@@ -199,7 +204,10 @@ impl CodeTools {
         );
         if let Some(mime) = inline_image_mime(&record.name) {
             if record.size <= MAX_INLINE_IMAGE_BYTES {
-                let bytes = read_blob(&session, &record).await?;
+                let bytes = self
+                    .broker()
+                    .read_download(&session, &record, caller.user.as_deref())
+                    .await?;
                 let data = base64::engine::general_purpose::STANDARD.encode(bytes);
                 return Ok(CallToolResult::success(vec![
                     ContentBlock::image(data, mime),
@@ -207,7 +215,10 @@ impl CodeTools {
                 ]));
             }
         } else if record.size <= MAX_INLINE_TEXT_BYTES {
-            let bytes = read_blob(&session, &record).await?;
+            let bytes = self
+                .broker()
+                .read_download(&session, &record, caller.user.as_deref())
+                .await?;
             if let Ok(text) = String::from_utf8(bytes) {
                 return Ok(CallToolResult::success(vec![ContentBlock::text(text)]));
             }

@@ -2,14 +2,13 @@
 
 use super::{base_name, readable_record};
 use crate::http::auth::Caller;
-use crate::http::error::{AppError, AppResult};
+use crate::http::error::AppResult;
 use crate::http::AppState;
 use crate::render::content_type;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// Bytes read per chunk of a download.
 const DOWNLOAD_CHUNK: usize = 256 * 1024;
@@ -37,27 +36,8 @@ pub(super) async fn download(
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Response> {
     let (session, record) = readable_record(&state, &caller, &session_id, &file_id)?;
-    // Served from the broker-owned copy of this version: what the sandbox did to the
-    // file since cannot change it, and no sandbox path is opened.
-    let blob = session.workspace.blob_path(&record.sha256);
-    let file = tokio::fs::File::open(&blob)
-        .await
-        .map_err(|_| AppError::NotFound(format!("file {file_id} not found")))?;
-    let size = file
-        .metadata()
-        .await
-        .map(|m| m.len())
-        .unwrap_or(record.size);
-    // Counted when served (a client that stops reading early still counts in full).
-    state.broker.metrics.downloaded(size);
-    state.broker.audit.record(
-        "download",
-        json!({
-            "user": caller.user.as_ref().or(session.meta.user.as_ref()),
-            "session": session.id(),
-            "files": [{ "id": record.id, "name": record.name, "size": size }],
-        }),
-    );
+    let user = caller.user.as_deref();
+    let (file, size) = state.broker.open_download(&session, &record, user).await?;
     // Streamed, so a large file is never held in memory. Each read of a tokio file is a
     // hop to the blocking pool: the default 4 KiB chunks made 100 MiB cost 25,600 hops.
     let stream = tokio_util::io::ReaderStream::with_capacity(file, DOWNLOAD_CHUNK);

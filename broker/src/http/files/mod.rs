@@ -239,7 +239,7 @@ async fn delete_file(
     caller: Caller,
     Path((session_id, file_id)): Path<(String, String)>,
 ) -> AppResult<Json<Value>> {
-    let (session, record) = readable_record(&state, &caller, &session_id, &file_id)?;
+    let (session, _) = readable_record(&state, &caller, &session_id, &file_id)?;
     if session.is_shared() {
         return Err(AppError::Forbidden(format!(
             "file {file_id} is a shared file (a skill's or an agent's): shared files are \
@@ -247,15 +247,10 @@ async fn delete_file(
             state.broker.config.file_ttl_secs
         )));
     }
-    state.broker.delete_file(&session, &file_id).await?;
-    state.broker.audit.record(
-        "delete",
-        json!({
-            "user": caller.user.as_ref().or(session.meta.user.as_ref()),
-            "session": session.id(),
-            "files": [{ "id": record.id, "name": record.name }],
-        }),
-    );
+    state
+        .broker
+        .delete_file(&session, &file_id, caller.user.as_deref())
+        .await?;
     Ok(Json(json!({
         "message": "File deleted successfully",
         "session_id": session_id,

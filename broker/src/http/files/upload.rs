@@ -9,7 +9,6 @@ use crate::http::error::{AppError, AppResult};
 use crate::http::AppState;
 use crate::ids::{is_valid_id, new_id};
 use crate::session::Session;
-use crate::workspace::FileRecord;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap};
@@ -283,7 +282,7 @@ fn shares_in_tenant(fields: &HashMap<String, String>) -> bool {
     }
 }
 
-fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
+fn upload_options(fields: &HashMap<String, String>, by: Option<&str>) -> UploadOptions {
     let read_only = fields
         .get("read_only")
         .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
@@ -294,6 +293,7 @@ fn upload_options(fields: &HashMap<String, String>) -> UploadOptions {
             .get("kind")
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty()),
+        by: by.map(str::to_string),
     }
 }
 
@@ -336,10 +336,13 @@ pub(super) async fn upload(
     let staged = std::mem::take(&mut form.staged);
     let records = state
         .broker
-        .store_uploads(&session, staged, upload_options(&form.fields))
+        .store_uploads(
+            &session,
+            staged,
+            upload_options(&form.fields, user.as_deref()),
+        )
         .await?;
     drop(guard);
-    observe_upload(&state, user.as_deref(), &session, &records);
     let files: Vec<Value> = records
         .iter()
         .map(|r| json!({ "fileId": r.id, "filename": r.name, "id": r.id, "size": r.size }))
@@ -391,11 +394,14 @@ pub(super) async fn upload_batch(
     } else {
         state
             .broker
-            .store_uploads(&session, staged, upload_options(&form.fields))
+            .store_uploads(
+                &session,
+                staged,
+                upload_options(&form.fields, user.as_deref()),
+            )
             .await?
     };
     drop(guard);
-    observe_upload(&state, user.as_deref(), &session, &records);
     let mut files: Vec<Value> = records
         .iter()
         .map(|r| json!({ "status": "success", "fileId": r.id, "filename": r.name, "size": r.size }))
@@ -417,24 +423,6 @@ pub(super) async fn upload_batch(
         "succeeded": succeeded,
         "failed": failed,
     })))
-}
-
-/// Counts an upload's bytes and audits it.
-fn observe_upload(state: &AppState, user: Option<&str>, session: &Session, records: &[FileRecord]) {
-    let bytes: u64 = records.iter().map(|r| r.size).sum();
-    state.broker.metrics.uploaded(bytes);
-    state.broker.audit.record(
-        "upload",
-        json!({
-            "user": user,
-            "session": session.id(),
-            "bytes": bytes,
-            "files": records
-                .iter()
-                .map(|r| json!({ "id": r.id, "name": r.name, "size": r.size }))
-                .collect::<Vec<_>>(),
-        }),
-    );
 }
 
 #[cfg(test)]
