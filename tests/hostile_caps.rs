@@ -340,9 +340,9 @@ async fn the_shipped_caps_are_on_and_derived_from_the_hosts_memory() {
     let broker = codebroker::build(config).await.expect("broker");
     let cap = documented_container_cap();
     assert!(cap >= 2);
-    assert_eq!(broker.limits.max_containers(), cap);
+    assert_eq!(broker.caps().max_containers, cap);
     assert_eq!(
-        broker.limits.max_sessions_per_user(),
+        broker.caps().max_sessions_per_user,
         8.min((cap / 4).max(1)),
         "a quarter of the cap by default"
     );

@@ -23,7 +23,7 @@ mod session;
 mod workspace;
 
 pub use crate::core::capacity::{read_meminfo, sandboxes_that_fit};
-pub use crate::core::Broker;
+pub use crate::core::{Broker, ResolvedCaps};
 pub use mcp::codemode;
 
 use crate::config::{BackendKind, Config, FileTransfer};
@@ -115,15 +115,13 @@ pub async fn run(
     // The one stop signal: the pool's refiller, the reaper and open MCP streams each hold
     // a child of it.
     let stop = CancellationToken::new();
-    let refiller = tokio::spawn(broker.pool.clone().run_refiller(
-        broker.backend.clone(),
-        broker.config.data_dir.as_path().into(),
-        broker.config.workspace_uid(),
-        stop.child_token(),
-    ));
+    let refiller = tokio::spawn({
+        let (broker, stop) = (broker.clone(), stop.child_token());
+        async move { broker.run_refiller(stop).await }
+    });
     let reaper = tokio::spawn(reap_loop(broker.clone(), stop.child_token()));
 
-    let jwt = http::jwt::JwtKeys::load(&broker.config.access)
+    let jwt = http::jwt::JwtKeys::load(&broker.config().access)
         .context("cannot load the JWT public keys")?;
     jwt.log_loaded();
     let mut state = http::AppState::new(broker.clone(), jwt);
@@ -144,10 +142,10 @@ pub async fn run(
     let app = http::router(state, mcp);
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let limits = http::server::ServeLimits {
-        max_connections: broker.config.caps.max_connections,
-        max_connections_per_peer: broker.config.connections_per_peer(),
-        header_read_timeout: Duration::from_secs(broker.config.header_read_timeout_secs.max(1)),
-        write_timeout: Duration::from_secs(broker.config.write_timeout_secs.max(1)),
+        max_connections: broker.config().caps.max_connections,
+        max_connections_per_peer: broker.config().connections_per_peer(),
+        header_read_timeout: Duration::from_secs(broker.config().header_read_timeout_secs.max(1)),
+        write_timeout: Duration::from_secs(broker.config().write_timeout_secs.max(1)),
     };
     let signalled = stop.clone();
     let served = http::server::serve(listener, app, limits, async move {
@@ -157,7 +155,7 @@ pub async fn run(
         // and open MCP streams end.
         signalled.cancel();
     });
-    let grace = Duration::from_secs(broker.config.shutdown_grace);
+    let grace = Duration::from_secs(broker.config().shutdown_grace);
     let served = tokio::select! {
         served = served => served.context("server failed"),
         _ = async {
@@ -178,7 +176,7 @@ pub async fn run(
 }
 
 async fn reap_loop(broker: Arc<Broker>, stop: CancellationToken) {
-    let every = Duration::from_secs(broker.config.reap_interval_secs.max(1));
+    let every = Duration::from_secs(broker.config().reap_interval_secs.max(1));
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {

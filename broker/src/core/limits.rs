@@ -97,7 +97,7 @@ fn bucket_key(owner: &UserKey) -> BucketKey {
 }
 
 /// Every limit of the broker.
-pub struct Limits {
+pub(crate) struct Limits {
     /// The per-user exec rate; `None` when `CODEBROKER_RATE_EXECS_PER_MINUTE` is 0.
     exec_rate: Option<TokenBuckets>,
     /// Most live sessions one user may have (0: no cap): the setting, and never more
@@ -212,12 +212,12 @@ impl Limits {
     }
 
     /// Most session containers in all (0: no cap).
-    pub fn max_containers(&self) -> usize {
+    pub(crate) fn max_containers(&self) -> usize {
         self.max_total
     }
 
     /// Most live sessions per user (0: no cap).
-    pub fn max_sessions_per_user(&self) -> usize {
+    pub(crate) fn max_sessions_per_user(&self) -> usize {
         self.max_per_user
     }
 

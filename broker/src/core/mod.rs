@@ -14,12 +14,15 @@ pub(crate) mod observe;
 mod sandboxes;
 pub(crate) mod sessions;
 mod state;
+mod surface;
 
 pub(crate) use error::{Error, Result};
 pub(crate) use exec::{
     Delivery, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict,
 };
 pub(crate) use sessions::SessionChoice;
+pub(crate) use surface::Refusal;
+pub use surface::ResolvedCaps;
 
 use crate::config::Config;
 use crate::core::limits::Limits;
@@ -30,21 +33,21 @@ use std::sync::Arc;
 /// The broker: configuration, the engine, the sessions and the pool.
 pub struct Broker {
     /// Every setting.
-    pub(crate) config: Arc<Config>,
+    config: Arc<Config>,
     /// Where sandboxes run, and how files reach them.
-    pub(crate) backend: Arc<dyn SandboxBackend>,
+    backend: Arc<dyn SandboxBackend>,
     /// All sessions.
-    pub(crate) registry: Registry,
+    registry: Registry,
     /// Started sandboxes waiting for new sessions.
-    pub(crate) pool: Arc<Pool>,
+    pool: Arc<Pool>,
     /// The per-user exec rate and the container caps (429s).
-    pub limits: Limits,
+    limits: Limits,
     /// `/opt/codebroker/libraries.json` of the image, read once.
     libraries: tokio::sync::OnceCell<serde_json::Value>,
     /// Prometheus counters and gauges (`/metrics`), bumped here and by the handlers.
-    pub(crate) metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<crate::metrics::Metrics>,
     /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
-    pub(crate) audit: crate::audit::Audit,
+    audit: crate::audit::Audit,
 }
 
 impl Broker {

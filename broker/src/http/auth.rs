@@ -126,7 +126,7 @@ pub(crate) async fn require_auth(
     next: Next,
 ) -> Response {
     let broker = &state.broker;
-    let config = &broker.config;
+    let config = broker.config();
     if config.access.auth == AuthMode::None {
         request.extensions_mut().insert(Tenant::open());
         return next.run(request).await;
@@ -292,7 +292,7 @@ impl Drop for Reservation {
 /// arrive, half of it at most per peer), scanned for the key without building a tree, and
 /// handed on unchanged.
 async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Response {
-    let config = &state.broker.config;
+    let config = state.broker.config();
     let is_json = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -420,7 +420,7 @@ fn key_in_body(bytes: &[u8]) -> Option<String> {
 /// Whether the request's headers carry valid credentials (or auth is off): what a public
 /// route may show more to.
 pub(crate) fn authenticated(state: &AppState, headers: &HeaderMap) -> bool {
-    state.broker.config.access.auth == AuthMode::None
+    state.broker.config().access.auth == AuthMode::None
         || matches!(
             header_auth(state, headers),
             Ok(HeaderAuth::Key(_) | HeaderAuth::Jwt(..))
@@ -432,7 +432,7 @@ pub(crate) fn authenticated(state: &AppState, headers: &HeaderMap) -> bool {
 /// Basic credentials, must hold a key.
 fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppError> {
     let broker = &state.broker;
-    let config = &broker.config;
+    let config = broker.config();
     if let Some(token) = bearer_token(headers) {
         if !state.jwt.is_empty()
             && looks_like_jwt(token)

@@ -339,9 +339,9 @@ const STREAM_QUEUE: usize = 8;
 /// fits in `inline_left`, the bytes of files the exec may still inline (a loop showing
 /// one large file must not turn each small event into megabytes read and sent). Returns
 /// the event and what is left.
-fn display_json(
-    backend: &dyn crate::sandbox::SandboxBackend,
-    at: &crate::sandbox::SandboxFiles,
+async fn display_json(
+    broker: &crate::core::Broker,
+    session: &crate::session::Session,
     display: DisplayData,
     inline_left: u64,
 ) -> (Value, u64) {
@@ -352,7 +352,7 @@ fn display_json(
         out["path"] = json!(format!("/mnt/data/{name}"));
         let cap = MAX_INLINE_DISPLAY_BYTES.min(inline_left);
         // The code may still be appending to it: never read past the cap.
-        if let Ok(Some(bytes)) = backend.read_file(at, name, cap) {
+        if let Some(bytes) = broker.display_bytes(session, name, cap).await {
             left -= bytes.len() as u64;
             use base64::Engine as _;
             out["data"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
@@ -394,8 +394,8 @@ async fn exec_stream(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let (choice, input) = body.into_parts(&caller)?;
-    let inline_left = state.broker.config.max_display_bytes;
-    let keepalive = Duration::from_secs(state.broker.config.stream_keepalive_secs);
+    let inline_left = state.broker.config().max_display_bytes;
+    let keepalive = Duration::from_secs(state.broker.config().stream_keepalive_secs);
     let (tx, rx) = mpsc::channel(STREAM_QUEUE);
     let cancel = CancellationToken::new();
     let hooks = ExecHooks {
@@ -416,8 +416,8 @@ async fn exec_stream(
         run: Option<ExecRun>,
         /// The exec's session, whose files displays may inline.
         files_of: std::sync::Arc<crate::session::Session>,
-        /// Where those files are read.
-        backend: std::sync::Arc<dyn crate::sandbox::SandboxBackend>,
+        /// Through which those files are read.
+        broker: std::sync::Arc<crate::core::Broker>,
         /// Bytes of files the displays of this exec may still inline.
         inline_left: u64,
     }
@@ -425,7 +425,7 @@ async fn exec_stream(
         rx,
         run: Some(run),
         files_of,
-        backend: state.broker.backend.clone(),
+        broker: state.broker.clone(),
         inline_left,
     };
     let events = futures::stream::unfold(state, move |mut st| async move {
@@ -442,14 +442,8 @@ async fn exec_stream(
                     }
                 }
                 WorkerMessage::Display(display) => {
-                    let at = st.files_of.files();
-                    let backend = st.backend.clone();
-                    let left = st.inline_left;
-                    let (data, left) = tokio::task::spawn_blocking(move || {
-                        display_json(&*backend, &at, display, left)
-                    })
-                    .await
-                    .unwrap_or((Value::Null, left));
+                    let (data, left) =
+                        display_json(&st.broker, &st.files_of, display, st.inline_left).await;
                     st.inline_left = left;
                     StreamEvent {
                         name: "display",

@@ -44,7 +44,7 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         .health
         .get(|| {
             let broker = broker.clone();
-            async move { tokio::join!(broker.backend.ping(), broker.backend.image_present()) }
+            async move { broker.engine_status().await }
         })
         .await;
     let healthy = docker_ok && image_ok;
@@ -53,22 +53,23 @@ async fn health(State(state): State<AppState>, headers: HeaderMap) -> impl IntoR
         "version": env!("CARGO_PKG_VERSION"),
         // `docker` is kept for clients of the Docker-only broker; `backend` says which.
         "docker": { "reachable": docker_ok },
-        "backend": { "kind": broker.config.backend.name(), "reachable": docker_ok },
-        "image": { "name": broker.config.sandbox.image, "present": image_ok },
+        "backend": { "kind": broker.config().backend.name(), "reachable": docker_ok },
+        "image": { "name": broker.config().sandbox.image, "present": image_ok },
         "languages": Language::ALL.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
     });
     // How busy the broker is only to callers that could see it anyway.
     if crate::http::auth::authenticated(&state, &headers) {
-        body["sessions"] = json!(broker.registry.len());
+        body["sessions"] = json!(broker.session_count());
         body["sandboxes"] = json!({
             "live": broker.live_sandboxes(),
-            "max_live": broker.config.caps.max_live_sandboxes,
+            "max_live": broker.config().caps.max_live_sandboxes,
         });
+        let pool = broker.pool_status();
         body["pool"] = json!({
-            "ready": broker.pool.ready(),
-            "preloading": broker.pool.preloading(),
-            "starting": broker.pool.creating(),
-            "target": broker.pool.target(),
+            "ready": pool.ready,
+            "preloading": pool.preloading,
+            "starting": pool.starting,
+            "target": pool.target,
         });
     }
     let status = if healthy {
@@ -145,14 +146,7 @@ async fn libraries(State(state): State<AppState>) -> AppResult<Json<serde_json::
 )]
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let broker = &state.broker;
-    let sessions = broker.registry.all();
-    let containers = sessions
-        .iter()
-        .filter(|s| s.sandbox().is_some_and(|sb| sb.is_alive()))
-        .count();
-    let text = broker
-        .metrics
-        .render(sessions.len(), containers, broker.pool.ready());
+    let text = broker.metrics_text();
     (
         [(
             axum::http::header::CONTENT_TYPE,

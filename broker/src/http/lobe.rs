@@ -41,7 +41,7 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
 /// Accepts the API key from the plugin settings header; without a matching one, the usual
 /// credentials (`X-API-Key`, `Authorization`) are checked as on every other route.
 async fn lobe_auth(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
-    let config = &state.broker.config;
+    let config = state.broker.config();
     if config.access.auth == AuthMode::None {
         request.extensions_mut().insert(Tenant::open());
         return next.run(request).await;
@@ -134,7 +134,7 @@ pub(crate) fn manifest_json(config: &Config) -> Value {
     responses((status = 200, description = "The plugin manifest", content_type = "application/json"))
 )]
 async fn manifest(State(state): State<AppState>) -> Json<Value> {
-    Json(manifest_json(&state.broker.config))
+    Json(manifest_json(state.broker.config()))
 }
 
 /// The model's arguments: what the manifest offers, and nothing that names a user, an
@@ -193,7 +193,7 @@ async fn run(
         .start_exec(&choice, input, Default::default())
         .await?
         .await?;
-    let text = lobe_markdown(&output, &broker.config.public_url);
+    let text = lobe_markdown(&output, &broker.config().public_url);
     Ok((
         [(header::CONTENT_TYPE, "text/markdown; charset=utf-8")],
         text,

@@ -51,7 +51,7 @@ pub(crate) struct AppState {
 
 impl AppState {
     pub(crate) fn new(broker: Arc<Broker>, jwt: jwt::JwtKeys) -> AppState {
-        let preauth_budget = Arc::new(PreauthBudget::new(broker.config.caps.preauth_body_budget));
+        let preauth_budget = Arc::new(PreauthBudget::new(broker.config().caps.preauth_body_budget));
         AppState {
             broker,
             preauth_budget,
@@ -83,14 +83,14 @@ pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
         .merge(openapi::router())
         .merge(playground::router())
         .merge(lobe::router(&state));
-    let body_limit = state.broker.config.caps.max_body_mb * 1024 * 1024;
+    let body_limit = state.broker.config().caps.max_body_mb * 1024 * 1024;
     let mut app = Router::new()
         .merge(routes.clone())
         .nest("/v1", routes)
         .fallback(|| async { AppError::NotFound("no such route".into()) });
     // Without credentials, a web page the user visits could reach the broker through a
     // rebound DNS name and read the answers: only the known names are served.
-    let config = &state.broker.config;
+    let config = state.broker.config();
     // `*` serves any Host, but a browser's Origin must still be the page's own host.
     if config.access.auth == AuthMode::None {
         let hosts = allowed_hosts(&config.mcp_allowed_hosts, &config.public_url);
@@ -123,9 +123,13 @@ async fn count_refusals(
     mut response: axum::response::Response,
 ) -> axum::response::Response {
     match response.status() {
-        axum::http::StatusCode::TOO_MANY_REQUESTS => state.broker.metrics.rate_limited(),
+        axum::http::StatusCode::TOO_MANY_REQUESTS => state
+            .broker
+            .count_refusal(crate::core::Refusal::RateLimited),
         axum::http::StatusCode::UNAUTHORIZED => {
-            state.broker.metrics.auth_failed();
+            state
+                .broker
+                .count_refusal(crate::core::Refusal::Unauthenticated);
             response.headers_mut().insert(
                 header::CONNECTION,
                 axum::http::HeaderValue::from_static("close"),

@@ -26,11 +26,12 @@ impl CodeTools {
         let broker = self.broker().clone();
         let name = Broker::check_upload_name(&args.name)?;
         let bytes = decode_base64(&args.content_base64)?;
-        let max_bytes = broker.config.caps.max_upload_mb * 1024 * 1024;
+        let max_bytes = broker.config().caps.max_upload_mb * 1024 * 1024;
         if bytes.len() as u64 > max_bytes {
             return Err(Error::TooLarge(format!(
                 "{} is larger than the upload limit of {} MiB",
-                args.name, broker.config.caps.max_upload_mb
+                args.name,
+                broker.config().caps.max_upload_mb
             )));
         }
         let user = caller.user.as_deref();
@@ -39,14 +40,9 @@ impl CodeTools {
         let broker = &broker;
         let session = self
             .remembering(explicit, |wanted| async move {
-                let found = wanted
-                    .as_deref()
-                    .and_then(|id| broker.registry.get(id))
-                    .filter(|s| s.visible_to(tenant, user));
-                match found {
-                    Some(s) => broker.charge_upload(tenant, user).map(|()| s),
-                    None => broker.new_session(tenant, user, None, false).await,
-                }
+                broker
+                    .session_for_upload(tenant, user, wanted.as_deref(), None)
+                    .await
             })
             .await?;
         let staging = broker.staging_dir();

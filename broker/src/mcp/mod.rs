@@ -33,7 +33,7 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
     let mut sessions = LocalSessionManager::default();
     sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
     let sessions = Arc::new(sessions);
-    let max = state.broker.config.caps.max_mcp_sessions;
+    let max = state.broker.config().caps.max_mcp_sessions;
     Router::new()
         .route_service("/mcp", service(state, sessions.clone()))
         .route_layer(axum::middleware::from_fn(move |request, next| {
@@ -71,7 +71,7 @@ pub(crate) fn service(
     state: &AppState,
     sessions: Arc<LocalSessionManager>,
 ) -> StreamableHttpService<CodeTools, LocalSessionManager> {
-    let config = &state.broker.config;
+    let config = state.broker.config();
     let mut http = StreamableHttpServerConfig::default()
         .with_cancellation_token(state.shutdown.child_token())
         .with_max_request_body_bytes(config.caps.max_body_mb * 1024 * 1024);

@@ -307,7 +307,7 @@ impl CodeTools {
     }
 
     pub(super) fn public_url(&self) -> &str {
-        &self.broker().config.public_url
+        &self.broker().config().public_url
     }
 
     /// The session named by the argument, else this MCP session's; `None` when neither.

@@ -77,7 +77,7 @@ async fn read_form(
     let boundary = multer::parse_boundary(content_type)
         .map_err(|e| AppError::BadRequest(format!("expected a multipart/form-data body: {e}")))?;
     let cut = CutReason::default();
-    let stall = Duration::from_secs(broker.config.caps.upload_stall_secs);
+    let stall = Duration::from_secs(broker.config().caps.upload_stall_secs);
     let body = GuardedBody::new(body.into_data_stream(), &boundary, stall, cut.clone());
     let mut multipart = multer::Multipart::new(body, boundary);
     // A cut body is answered with why it was cut; multer only passes the error on.
@@ -96,7 +96,7 @@ async fn read_form(
     tokio::fs::create_dir_all(&staging)
         .await
         .map_err(|e| AppError::internal(format!("cannot create staging dir: {e}")))?;
-    let max_bytes = broker.config.caps.max_upload_mb * 1024 * 1024;
+    let max_bytes = broker.config().caps.max_upload_mb * 1024 * 1024;
     let budget = broker.upload_budget();
     let mut staged_bytes = 0u64;
     let mut text_fields = 0usize;
@@ -173,7 +173,7 @@ async fn read_form(
         if too_large {
             let err = AppError::PayloadTooLarge(format!(
                 "{file_name} is larger than the upload limit of {} MiB",
-                broker.config.caps.max_upload_mb
+                broker.config().caps.max_upload_mb
             ));
             if strict {
                 return Err(err);
@@ -242,31 +242,12 @@ async fn upload_session(
             .new_shared_session(user, tenant, field("entity_id"))
             .await?);
     }
-    if let Some(id) = field("session_id").or(field("storage_session_id")) {
-        if !is_valid_id(id) {
-            return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
-        }
-        if let Some(s) = broker
-            .registry
-            .get(id)
-            .filter(|s| s.visible_to(tenant, user))
-        {
-            broker.charge_upload(tenant, user)?;
-            return Ok(s);
-        }
-    }
-    if let Some(entity) = field("entity_id") {
-        if let Some(s) = broker
-            .registry
-            .by_entity(tenant, user, entity)
-            .filter(|s| s.visible_to(tenant, user))
-        {
-            broker.charge_upload(tenant, user)?;
-            return Ok(s);
-        }
+    let session_id = field("session_id").or(field("storage_session_id"));
+    if let Some(id) = session_id.filter(|id| !is_valid_id(id)) {
+        return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
     }
     Ok(broker
-        .new_session(tenant, user, field("entity_id"), false)
+        .session_for_upload(tenant, user, session_id, field("entity_id"))
         .await?)
 }
 
