@@ -20,6 +20,7 @@ mod metrics;
 mod render;
 mod sandbox;
 mod session;
+mod sync;
 mod workspace;
 
 pub use crate::core::capacity::{read_meminfo, sandboxes_that_fit};

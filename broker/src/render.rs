@@ -2,7 +2,7 @@
 //! the `/exec` JSON answer, LobeChat's markdown, MCP's content blocks, download links and
 //! MIME types. `http/` and `mcp/` both render through here.
 
-use crate::core::{Delivery, Error, ExecOutput};
+use crate::core::{Delivery, Error, ExecOutput, Verdict};
 use crate::session::Session;
 use crate::workspace::FileRecord;
 use base64::Engine as _;
@@ -99,6 +99,40 @@ pub(crate) async fn read_blob(session: &Session, record: &FileRecord) -> Result<
         .map_err(|_| Error::NotFound(format!("file {:?} not found", record.name)))
 }
 
+/// How an exec that did not succeed ended, in the words of LibreChat's programmatic
+/// contract, which every front end uses: the limits hit, else `Sandbox exited with code
+/// N`, else `Execution failed or timed out`. `None` when it succeeded.
+pub(crate) fn verdict_text(output: &ExecOutput) -> Option<String> {
+    match output.verdict() {
+        Verdict::Ok => None,
+        Verdict::Limit(limits) => Some(
+            limits
+                .iter()
+                .map(|l| l.message())
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+        Verdict::Failed(code) => Some(format!("Sandbox exited with code {code}")),
+        Verdict::Stopped => Some("Execution failed or timed out".to_string()),
+    }
+}
+
+/// The end of a text summary of an exec (MCP, LobeChat): its exit code when not 0, or
+/// that it did not finish, and the limits it hit; one line each.
+fn ending_lines(output: &ExecOutput) -> Vec<String> {
+    let mut lines = Vec::new();
+    match output.exit_code {
+        Some(0) => {}
+        Some(code) => lines.push(format!("Exit code: {code}")),
+        None => lines.push("The program did not finish.".to_string()),
+    }
+    if !output.limits.is_empty() {
+        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
+        lines.push(format!("Limits hit: {}", limits.join(", ")));
+    }
+    lines
+}
+
 /// `execute_code`'s result: output text, images inline, links to other files, the
 /// `/exec` response as structured content, and `isError` when the code failed.
 pub(crate) async fn mcp_exec_result(
@@ -125,14 +159,9 @@ pub(crate) async fn mcp_exec_result(
     if text.is_empty() {
         text.push_str("(no output)\n");
     }
-    match output.exit_code {
-        Some(0) => {}
-        Some(code) => text.push_str(&format!("exit code: {code}\n")),
-        None => text.push_str("the program did not finish\n"),
-    }
-    if !output.limits.is_empty() {
-        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
-        text.push_str(&format!("limits hit: {}\n", limits.join(", ")));
+    for line in ending_lines(output) {
+        text.push_str(&line);
+        text.push('\n');
     }
     let mut content = vec![ContentBlock::text(text)];
     let mut links = Vec::new();
@@ -184,14 +213,9 @@ pub(crate) fn lobe_markdown(output: &ExecOutput, public_url: &str) -> String {
     if md.is_empty() {
         md.push_str("(no output)\n\n");
     }
-    match output.exit_code {
-        Some(0) => {}
-        Some(code) => md.push_str(&format!("Exit code: {code}\n\n")),
-        None => md.push_str("The program did not finish.\n\n"),
-    }
-    if !output.limits.is_empty() {
-        let limits: Vec<&str> = output.limits.iter().map(|l| l.message()).collect();
-        md.push_str(&format!("Limits hit: {}\n\n", limits.join(", ")));
+    for line in ending_lines(output) {
+        md.push_str(&line);
+        md.push_str("\n\n");
     }
     let (images, others): (Vec<_>, Vec<_>) = output
         .files

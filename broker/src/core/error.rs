@@ -65,6 +65,14 @@ pub(crate) const INTERNAL_MESSAGE: &str = "internal error; see the broker's log"
 /// A result of the core.
 pub(crate) type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl Error {
+    /// How a failed spawned task (`what`: "upload", "harvest") becomes an error:
+    /// `.map_err(Error::task("upload"))`.
+    pub(crate) fn task(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> Error {
+        move |err| Error::internal(format!("{what} task failed: {err}"))
+    }
+}
+
 impl From<tokio::task::JoinError> for Error {
     /// A spawned task of the core that panicked or was cancelled.
     fn from(err: tokio::task::JoinError) -> Error {

@@ -210,7 +210,7 @@ impl Future for ExecRun {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Pin::new(&mut self.task).poll(cx).map(|joined| {
             joined
-                .map_err(|e| Error::internal(format!("exec task failed: {e}")))
+                .map_err(Error::task("exec"))
                 .and_then(|output| output)
         })
     }
@@ -569,7 +569,7 @@ impl Broker {
             Ok::<_, std::io::Error>((index, report, put_back, saved))
         })
         .await
-        .map_err(|e| Error::internal(format!("harvest task failed: {e}")))?;
+        .map_err(Error::task("harvest"))?;
         match result {
             Ok((index, mut report, put_back, Ok(()))) => {
                 // Blobs go only once neither the saved nor the served index names them: a

@@ -319,7 +319,7 @@ impl Broker {
             (index, records, unused, result)
         })
         .await
-        .map_err(|e| Error::internal(format!("upload task failed: {e}")))?;
+        .map_err(Error::task("upload"))?;
         // What was stored before a failure stays, recorded.
         *session.index() = index.clone();
         save_index(&session.workspace, &index).await?;
@@ -493,7 +493,7 @@ impl Broker {
                     .map(Some)
             })
             .await
-            .map_err(|e| Error::internal(format!("copy task failed: {e}")))?;
+            .map_err(Error::task("copy"))?;
             let stamp = match result {
                 Ok(Some(stamp)) => stamp,
                 Ok(None) => {
@@ -670,7 +670,7 @@ impl Broker {
             workspace.delete_unused_blobs(&index, &dropped.blobs);
         })
         .await
-        .map_err(|e| Error::internal(format!("delete task failed: {e}")))?;
+        .map_err(Error::task("delete"))?;
         Ok(deleted)
     }
 
@@ -754,6 +754,6 @@ pub(crate) async fn save_index(
     let index = index.clone();
     tokio::task::spawn_blocking(move || workspace.save_index(&index))
         .await
-        .map_err(|e| Error::internal(format!("index task failed: {e}")))?
+        .map_err(Error::task("index"))?
         .map_err(|e| Error::internal(format!("cannot save the file index: {e}")))
 }

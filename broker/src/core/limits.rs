@@ -18,6 +18,7 @@ use crate::config::{Caps, ContainerCap};
 use crate::core::capacity::HostMemory;
 use crate::core::error::{Error, Result};
 use crate::session::{OwnerKey, Registry};
+use crate::sync::LockExt as _;
 use sha2::Digest as _;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -395,7 +396,7 @@ impl Limits {
 
     fn lock(&self) -> MutexGuard<'_, Starting> {
         // Counters only; a panic elsewhere leaves them usable.
-        self.starting.lock().unwrap_or_else(|p| p.into_inner())
+        self.starting.locked()
     }
 }
 
@@ -466,7 +467,7 @@ impl TokenBuckets {
 
     /// Takes a token of `owner`'s at `now`, or says why not.
     fn take(&self, owner: &UserKey, now: Instant) -> Result<(), Refused> {
-        let mut guard = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.buckets.locked();
         let buckets = &mut *guard;
         let key = bucket_key(owner);
         if !buckets.by_user.contains_key(&key) && buckets.by_user.len() > PRUNE_ABOVE {

@@ -13,6 +13,7 @@ use crate::config::AuthMode;
 use crate::http::error::AppError;
 use crate::http::jwt::looks_like_jwt;
 use crate::http::AppState;
+use crate::sync::LockExt as _;
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -224,7 +225,7 @@ impl PreauthBudget {
     }
 
     fn held(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, u32>> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+        self.held.locked()
     }
 }
 
@@ -305,7 +306,7 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
     let budget = config.caps.preauth_body_budget.max(BUDGET_UNIT);
     let limit = limit.min(budget);
     let too_large = || {
-        AppError::PayloadTooLarge(format!("request body over {} MiB", limit / (1024 * 1024)))
+        AppError::too_large(format!("request body over {} MiB", limit / (1024 * 1024)))
             .into_response()
     };
     let declared = request
@@ -329,7 +330,7 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
         Ok(bytes) => bytes,
         Err(BodyRead::TooLarge) => return too_large(),
         Err(BodyRead::Short(Shortfall::Peer)) => {
-            return AppError::Unavailable(
+            return AppError::unavailable(
                 "too many request bodies without a credential header are being read from \
                  this address; send the key in a header, or retry shortly"
                     .into(),
@@ -337,18 +338,18 @@ async fn body_key_auth(state: &AppState, request: Request, next: Next) -> Respon
             .into_response()
         }
         Err(BodyRead::Short(Shortfall::Budget)) => {
-            return AppError::Unavailable(
+            return AppError::unavailable(
                 "too many requests without a credential header are being read; retry shortly"
                     .into(),
             )
             .into_response()
         }
         Err(BodyRead::Failed(err)) => {
-            return AppError::BadRequest(format!("cannot read the request body: {err}"))
+            return AppError::bad_request(format!("cannot read the request body: {err}"))
                 .into_response()
         }
         Err(BodyRead::Late) => {
-            return AppError::BadRequest("the request body did not arrive in time".into())
+            return AppError::bad_request("the request body did not arrive in time".into())
                 .into_response()
         }
     };
@@ -441,7 +442,7 @@ fn header_auth(state: &AppState, headers: &HeaderMap) -> Result<HeaderAuth, AppE
             return match state.jwt.verify(token) {
                 Ok(verified) if !verified.tenant_allowed => {
                     tracing::info!(tenant = ?verified.tenant_id, "JWT refused: its key may not sign for its tenant");
-                    Err(AppError::Forbidden(
+                    Err(AppError::forbidden(
                         "the key that signed this token may not sign for its tenant_id".into(),
                     ))
                 }
@@ -516,7 +517,7 @@ impl FailureLog {
     /// [`MAX_LOGGED_TEXT`]) unless this second's lines are used up.
     pub(crate) fn failed(&self, what: &str, reason: &str) {
         let (summary, log) = {
-            let mut window = self.window.lock().unwrap_or_else(|e| e.into_inner());
+            let mut window = self.window.locked();
             let now = Instant::now();
             let summary = window.roll(now);
             let log = window.logged < LOGGED_FAILURES_PER_SEC;
@@ -536,11 +537,7 @@ impl FailureLog {
     /// Logs the count of failures not logged, once their second is over; for a timer, so
     /// the last burst is reported even when no failure follows it.
     pub(crate) fn flush(&self) {
-        let summary = self
-            .window
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .roll(Instant::now());
+        let summary = self.window.locked().roll(Instant::now());
         report_unlogged(summary);
     }
 }

@@ -6,17 +6,20 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use crate::core::Error;
+
 /// The challenge of a 401 to HTTP Basic credentials.
 pub(crate) const BASIC_CHALLENGE: &str = "Basic realm=\"codebroker\", charset=\"UTF-8\"";
 
-/// Everything a request can fail with. Internal errors are logged in full and shown to
-/// clients only as a generic message.
+/// Everything a request can fail with: the core's errors, wrapped, and the few only HTTP
+/// has (a body that does not parse, credentials, media types). Internal errors are logged
+/// in full and shown to clients only as a generic message.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AppError {
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("Unsupported language: {0}")]
-    UnsupportedLanguage(String),
+    /// What the core failed with; its variant says the status and code.
+    #[error(transparent)]
+    Core(#[from] Error),
+    /// A JSON body that parses but does not fit the request's shape: 422.
     #[error("{0}")]
     Unprocessable(String),
     #[error("missing or invalid credentials")]
@@ -25,88 +28,114 @@ pub(crate) enum AppError {
     /// nearly right): 401 with a Basic challenge.
     #[error("{0}")]
     BadBasicCredentials(String),
-    #[error("{0}")]
-    Forbidden(String),
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    Conflict(String),
-    #[error("{0}")]
-    PayloadTooLarge(String),
     /// The client sent its request too slowly (an upload below its minimum rate): 408.
     #[error("{0}")]
     RequestTimeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
-    #[error("{message}")]
-    RateLimited {
-        message: String,
-        retry_after_seconds: u64,
-    },
-    #[error("{0}")]
-    Unavailable(String),
-    #[error(transparent)]
-    Internal(#[from] anyhow::Error),
 }
 
+impl From<anyhow::Error> for AppError {
+    fn from(err: anyhow::Error) -> AppError {
+        AppError::Core(Error::Internal(err))
+    }
+}
+
+/// The core's errors by the names the handlers use.
 impl AppError {
     pub(crate) fn internal(context: impl std::fmt::Display) -> AppError {
-        AppError::Internal(anyhow::anyhow!("{context}"))
+        AppError::Core(Error::internal(context))
+    }
+
+    pub(crate) fn bad_request(message: String) -> AppError {
+        AppError::Core(Error::BadRequest(message))
+    }
+
+    pub(crate) fn unsupported_language(name: String) -> AppError {
+        AppError::Core(Error::UnsupportedLanguage(name))
+    }
+
+    pub(crate) fn forbidden(message: String) -> AppError {
+        AppError::Core(Error::Forbidden(message))
+    }
+
+    pub(crate) fn not_found(message: String) -> AppError {
+        AppError::Core(Error::NotFound(message))
+    }
+
+    pub(crate) fn conflict(message: String) -> AppError {
+        AppError::Core(Error::Conflict(message))
+    }
+
+    pub(crate) fn too_large(message: String) -> AppError {
+        AppError::Core(Error::TooLarge(message))
+    }
+
+    pub(crate) fn unavailable(message: String) -> AppError {
+        AppError::Core(Error::Unavailable(message))
     }
 
     fn status(&self) -> StatusCode {
         match self {
-            AppError::BadRequest(_) | AppError::UnsupportedLanguage(_) => StatusCode::BAD_REQUEST,
+            AppError::Core(err) => match err {
+                Error::BadRequest(_) | Error::UnsupportedLanguage(_) => StatusCode::BAD_REQUEST,
+                Error::Forbidden(_) => StatusCode::FORBIDDEN,
+                Error::NotFound(_) => StatusCode::NOT_FOUND,
+                Error::Conflict(_) => StatusCode::CONFLICT,
+                Error::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+                Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+                Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+                Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            },
             AppError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             AppError::Unauthorized | AppError::BadBasicCredentials(_) => StatusCode::UNAUTHORIZED,
-            AppError::Forbidden(_) => StatusCode::FORBIDDEN,
-            AppError::NotFound(_) => StatusCode::NOT_FOUND,
-            AppError::Conflict(_) => StatusCode::CONFLICT,
-            AppError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             AppError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AppError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            AppError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn code(&self) -> &'static str {
         match self {
-            AppError::BadRequest(_) => "bad_request",
-            AppError::UnsupportedLanguage(_) => "unsupported_language",
+            AppError::Core(err) => match err {
+                Error::BadRequest(_) => "bad_request",
+                Error::UnsupportedLanguage(_) => "unsupported_language",
+                Error::Forbidden(_) => "forbidden",
+                Error::NotFound(_) => "not_found",
+                Error::Conflict(_) => "conflict",
+                Error::TooLarge(_) => "payload_too_large",
+                Error::RateLimited { .. } => "rate_limited",
+                Error::Unavailable(_) => "unavailable",
+                Error::Internal(_) => "internal_error",
+            },
             AppError::Unprocessable(_) => "invalid_request",
             AppError::Unauthorized | AppError::BadBasicCredentials(_) => "unauthorized",
-            AppError::Forbidden(_) => "forbidden",
-            AppError::NotFound(_) => "not_found",
-            AppError::Conflict(_) => "conflict",
-            AppError::PayloadTooLarge(_) => "payload_too_large",
             AppError::RequestTimeout(_) => "request_timeout",
             AppError::UnsupportedMediaType(_) => "unsupported_media_type",
-            AppError::RateLimited { .. } => "rate_limited",
-            AppError::Unavailable(_) => "unavailable",
-            AppError::Internal(_) => "internal_error",
         }
     }
 
     /// The JSON body clients get.
     pub(crate) fn body(&self) -> serde_json::Value {
         let message = match self {
-            AppError::Internal(err) => {
-                tracing::error!(error = ?err, "internal error");
-                crate::core::error::INTERNAL_MESSAGE.to_string()
-            }
+            AppError::Core(err) => err.client_message(),
             other => other.to_string(),
         };
         let mut body = json!({ "error": self.code(), "message": message });
-        if let AppError::RateLimited {
-            retry_after_seconds,
-            ..
-        } = self
-        {
-            body["retry_after_seconds"] = json!(retry_after_seconds);
+        if let Some(seconds) = self.retry_after() {
+            body["retry_after_seconds"] = json!(seconds);
         }
         body
+    }
+
+    /// When a retry may succeed, for a rate or cap refusal.
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            AppError::Core(Error::RateLimited {
+                retry_after_seconds,
+                ..
+            }) => Some(*retry_after_seconds),
+            _ => None,
+        }
     }
 }
 
@@ -125,14 +154,10 @@ impl IntoResponse for AppError {
             );
         }
         // The standard header too, for clients that know it rather than the body field.
-        if let AppError::RateLimited {
-            retry_after_seconds,
-            ..
-        } = self
-        {
+        if let Some(seconds) = self.retry_after() {
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from(retry_after_seconds),
+                axum::http::HeaderValue::from(seconds),
             );
         }
         response
@@ -140,30 +165,6 @@ impl IntoResponse for AppError {
 }
 
 pub(crate) type AppResult<T> = Result<T, AppError>;
-
-impl From<crate::core::Error> for AppError {
-    /// The core's errors as the API answers them: each has its own status and code.
-    fn from(err: crate::core::Error) -> AppError {
-        use crate::core::Error;
-        match err {
-            Error::BadRequest(m) => AppError::BadRequest(m),
-            Error::UnsupportedLanguage(m) => AppError::UnsupportedLanguage(m),
-            Error::Forbidden(m) => AppError::Forbidden(m),
-            Error::NotFound(m) => AppError::NotFound(m),
-            Error::Conflict(m) => AppError::Conflict(m),
-            Error::TooLarge(m) => AppError::PayloadTooLarge(m),
-            Error::RateLimited {
-                message,
-                retry_after_seconds,
-            } => AppError::RateLimited {
-                message,
-                retry_after_seconds,
-            },
-            Error::Unavailable(m) => AppError::Unavailable(m),
-            Error::Internal(err) => AppError::Internal(err),
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -179,10 +180,10 @@ mod tests {
 
     #[test]
     fn rate_limited_has_the_wait_in_body_and_header() {
-        let err = AppError::RateLimited {
+        let err = AppError::Core(Error::RateLimited {
             message: "slow down".into(),
             retry_after_seconds: 7,
-        };
+        });
         assert_eq!(err.body()["retry_after_seconds"], 7);
         let response = err.into_response();
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -194,7 +195,7 @@ mod tests {
 
     #[test]
     fn unsupported_language_envelope() {
-        let body = AppError::UnsupportedLanguage("cobol".into()).body();
+        let body = AppError::unsupported_language("cobol".into()).body();
         assert_eq!(body["error"], "unsupported_language");
         assert_eq!(body["message"], "Unsupported language: cobol");
     }

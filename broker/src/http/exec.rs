@@ -85,7 +85,7 @@ impl ExecBody {
         let lang: Language = self
             .lang
             .parse()
-            .map_err(|_| AppError::UnsupportedLanguage(self.lang.clone()))?;
+            .map_err(|_| AppError::unsupported_language(self.lang.clone()))?;
         let args = match self.args {
             None => Vec::new(),
             Some(Args::List(list)) => list,
@@ -96,7 +96,10 @@ impl ExecBody {
         let mut files = Vec::new();
         for f in refs {
             if !is_valid_id(&f.id) {
-                return Err(AppError::BadRequest(format!("invalid file id: {:?}", f.id)));
+                return Err(AppError::bad_request(format!(
+                    "invalid file id: {:?}",
+                    f.id
+                )));
             }
             let session_id = f
                 .storage_session_id
@@ -104,7 +107,7 @@ impl ExecBody {
                 .filter(|s| !s.is_empty())
                 .unwrap_or_default();
             if !session_id.is_empty() && !is_valid_id(&session_id) {
-                return Err(AppError::BadRequest(format!(
+                return Err(AppError::bad_request(format!(
                     "invalid session id in file ref: {session_id:?}"
                 )));
             }

@@ -2,6 +2,7 @@
 
 use super::AppState;
 use crate::http::error::AppResult;
+use crate::sync::LockExt as _;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
@@ -102,7 +103,7 @@ impl HealthCache {
         Fut: Future<Output = (bool, bool)> + Send + 'static,
     {
         let shared = {
-            let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+            let mut current = self.current.locked();
             match current.as_ref() {
                 Some((at, shared)) if at.elapsed() < HEALTH_TTL => shared.clone(),
                 _ => {

@@ -87,7 +87,7 @@ pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
     let mut app = Router::new()
         .merge(routes.clone())
         .nest("/v1", routes)
-        .fallback(|| async { AppError::NotFound("no such route".into()) });
+        .fallback(|| async { AppError::not_found("no such route".into()) });
     // Without credentials, a web page the user visits could reach the broker through a
     // rebound DNS name and read the answers: only the known names are served.
     let config = state.broker.config();
@@ -175,7 +175,7 @@ async fn refuse_cross_site_credentials(
                 .is_some_and(|hosts| host_allowed(authority, hosts)))
     });
     if cross_site || foreign_origin {
-        return AppError::Forbidden(
+        return AppError::forbidden(
             "HTTP Basic credentials are not accepted from another site's page; send the key \
              in the X-API-Key header from a server"
                 .into(),
@@ -237,7 +237,7 @@ async fn require_known_host(
     let own = [host.to_string()];
     let hosts: &[String] = hosts.as_ref().as_deref().unwrap_or(&own);
     if !host_allowed(host, hosts) {
-        return AppError::Forbidden(format!(
+        return AppError::forbidden(format!(
             "Host {host:?} is not served; add it to CODEBROKER_MCP_ALLOWED_HOSTS"
         ))
         .into_response();
@@ -245,7 +245,7 @@ async fn require_known_host(
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = origin.to_str().unwrap_or("");
         if !host_allowed(origin_authority(origin), hosts) {
-            return AppError::Forbidden(format!(
+            return AppError::forbidden(format!(
                 "requests from pages of {origin:?} are not served; add its host to \
                  CODEBROKER_MCP_ALLOWED_HOSTS"
             ))
@@ -327,12 +327,12 @@ async fn json_body<T: DeserializeOwned, S: Send + Sync>(
         .await
         .map_err(|e| match e.status() {
             axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
-                AppError::PayloadTooLarge("request body too large".into())
+                AppError::too_large("request body too large".into())
             }
-            _ => AppError::BadRequest(format!("cannot read the request body: {e}")),
+            _ => AppError::bad_request(format!("cannot read the request body: {e}")),
         })?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err(AppError::BadRequest(
+        return Err(AppError::bad_request(
             "the request body is empty; send JSON".into(),
         ));
     }
@@ -340,7 +340,7 @@ async fn json_body<T: DeserializeOwned, S: Send + Sync>(
         use serde_json::error::Category;
         match e.classify() {
             Category::Data => AppError::Unprocessable(format!("invalid request: {e}")),
-            _ => AppError::BadRequest(format!("malformed JSON: {e}")),
+            _ => AppError::bad_request(format!("malformed JSON: {e}")),
         }
     })
 }

@@ -73,7 +73,11 @@ async fn asset(Path(asset): Path<String>) -> Result<Response, AppError> {
         "app.js" => ("text/javascript; charset=utf-8", APP_JS),
         "style.css" => ("text/css; charset=utf-8", STYLE_CSS),
         "samples.json" => ("application/json", SAMPLES_JSON.as_str()),
-        _ => return Err(AppError::NotFound(format!("no playground asset {asset:?}"))),
+        _ => {
+            return Err(AppError::not_found(format!(
+                "no playground asset {asset:?}"
+            )))
+        }
     };
     Ok((
         [

@@ -7,12 +7,13 @@
 
 use super::exec::{Args, ExecBody, FileRef};
 use super::{ApiJson, AppState};
-use crate::core::{ExecHooks, ExecOutput, ExecRun, ToolBridge, Verdict};
+use crate::core::{ExecHooks, ExecOutput, ExecRun, ToolBridge};
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::ids::new_id;
 use crate::render::output_json;
 use crate::session::{same_tenant, visible, OwnerKey};
+use crate::sync::LockExt as _;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::routing::post;
@@ -300,21 +301,21 @@ fn continue_run(
     };
     let Some((_, run)) = state.runs.by_token.remove_if(&token, mine) else {
         if state.runs.by_token.contains_key(&token) {
-            return Err(AppError::NotFound(
+            return Err(AppError::not_found(
                 "unknown or expired continuation token".into(),
             ));
         }
         if state.runs.used.contains_key(&token) {
-            return Err(AppError::Conflict(
+            return Err(AppError::conflict(
                 "this continuation token was already used".into(),
             ));
         }
-        return Err(AppError::NotFound(
+        return Err(AppError::not_found(
             "unknown or expired continuation token".into(),
         ));
     };
     remember_used(&state.runs, token);
-    let mut pending = lock(&run.pending);
+    let mut pending = run.pending.locked();
     let mut answers = Vec::new();
     for r in results {
         if !pending.remove(&r.call_id) {
@@ -372,19 +373,23 @@ fn remember_used(runs: &Runs, token: String) {
 
 /// Runs until the code calls tools (answering with the batch and a new token) or ends.
 async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
-    let mut calls = lock(&run.calls)
+    let mut calls = run
+        .calls
+        .locked()
         .take()
-        .ok_or_else(|| AppError::Conflict("this run is already being continued".into()))?;
-    let mut task = lock(&run.task)
+        .ok_or_else(|| AppError::conflict("this run is already being continued".into()))?;
+    let mut task = run
+        .task
+        .locked()
         .take()
-        .ok_or_else(|| AppError::Conflict("this run has ended".into()))?;
+        .ok_or_else(|| AppError::conflict("this run has ended".into()))?;
     // A client that goes away while its run waits here stops the run: nobody could
     // continue it.
     let stop_if_dropped = run.cancel.clone().drop_guard();
     let outcome = tokio::select! {
         Some(first) = calls.recv() => {
             let mut batch = vec![first];
-            let window = *lock(&run.window);
+            let window = *run.window.locked();
             let group_deadline = tokio::time::Instant::now() + GROUP_WAIT;
             loop {
                 // Calls the code made in one step are answered together, however the
@@ -399,7 +404,7 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
                     _ => break,
                 }
             }
-            *lock(&run.window) = next_window(window, batch.len());
+            *run.window.locked() = next_window(window, batch.len());
             Ok(batch)
         }
         joined = &mut task => Err(joined),
@@ -407,9 +412,11 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
     stop_if_dropped.disarm();
     match outcome {
         Ok(batch) => {
-            *lock(&run.calls) = Some(calls);
-            *lock(&run.task) = Some(task);
-            lock(&run.pending).extend(batch.iter().map(|c| c.call_id.clone()));
+            *run.calls.locked() = Some(calls);
+            *run.task.locked() = Some(task);
+            run.pending
+                .locked()
+                .extend(batch.iter().map(|c| c.call_id.clone()));
             let token = new_id();
             state.runs.by_token.insert(token.clone(), run.clone());
             expire_token_later(state, token.clone(), run.clone());
@@ -453,12 +460,7 @@ fn forget(state: &AppState, run: &Arc<Run>) {
 
 /// `completed`, or `error` with LibreChat's words for what went wrong.
 fn final_json(output: &ExecOutput) -> Value {
-    let error = match output.verdict() {
-        Verdict::Ok => None,
-        Verdict::Limit(limits) => Some(limits[0].message().to_string()),
-        Verdict::Failed(code) => Some(format!("Sandbox exited with code {code}")),
-        Verdict::Stopped => Some("Execution failed or timed out".to_string()),
-    };
+    let error = crate::render::verdict_text(output);
     let mut body = output_json(output);
     match error {
         None => body["status"] = json!("completed"),
@@ -499,7 +501,7 @@ async fn cancel(
 ) -> AppResult<Json<Value>> {
     let user = caller.user_or(body.user_id.as_deref());
     let tenant = caller.tenant.clone();
-    let not_found = || AppError::NotFound(format!("no run with request id {}", body.request_id));
+    let not_found = || AppError::not_found(format!("no run with request id {}", body.request_id));
     let run = match user {
         Some(user) => state
             .runs
@@ -538,7 +540,9 @@ async fn cancel(
     };
     run.cancel.cancel();
     // Answer the calls it is waiting on, so it can stop at once.
-    let answers = lock(&run.pending)
+    let answers = run
+        .pending
+        .locked()
         .drain()
         .map(|call_id| ToolResult {
             call_id,
@@ -553,10 +557,6 @@ async fn cancel(
         "request_id": body.request_id,
         "session_id": run.session_id,
     })))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

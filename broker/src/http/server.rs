@@ -28,6 +28,7 @@
 //! HTTP/2 is not served: its streams would have no header-read timeout, and no client of
 //! the broker speaks cleartext HTTP/2.
 
+use crate::sync::LockExt as _;
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::server::conn::http1;
@@ -195,7 +196,7 @@ impl PeerCounts {
     /// Counts a new connection of `ip`; `None` when the address is at its cap.
     fn enter(&self, ip: IpAddr) -> Option<PeerSlot> {
         let ip = ip.to_canonical();
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.open.locked();
         let count = open.entry(ip).or_insert(0);
         if *count >= self.cap {
             return None;
@@ -210,7 +211,7 @@ impl PeerCounts {
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut open = self.counts.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.counts.open.locked();
         if let Some(count) = open.get_mut(&self.ip) {
             *count = count.saturating_sub(1);
             if *count == 0 {

@@ -56,7 +56,7 @@ async fn cap_sessions(
     if max > 0 && opens {
         let open = sessions.sessions.read().await.len();
         if open >= max {
-            return crate::http::error::AppError::Unavailable(format!(
+            return crate::http::error::AppError::unavailable(format!(
                 "{open} MCP sessions are open, the most this broker keeps \
                  (CODEBROKER_MAX_MCP_SESSIONS); close one or retry after idle ones expire"
             ))

@@ -11,6 +11,7 @@
 //! this sandbox's output, so the runner's writes block and the code with them, instead of
 //! the broker's memory growing. Other sandboxes have readers of their own.
 
+use crate::sync::LockExt as _;
 use bytes::BytesMut;
 use futures::{Stream, StreamExt};
 use sandbox_runner::{
@@ -252,7 +253,7 @@ impl RunnerChannel {
     fn lock_waiters(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::Sender<WorkerMessage>>> {
-        lock(&self.waiters)
+        self.waiters.locked()
     }
 }
 
@@ -281,15 +282,8 @@ struct WaiterGuard<'a> {
 
 impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
-        lock(self.waiters).remove(&self.job);
+        self.waiters.locked().remove(&self.job);
     }
-}
-
-fn lock(
-    waiters: &Waiters,
-) -> std::sync::MutexGuard<'_, HashMap<JobId, mpsc::Sender<WorkerMessage>>> {
-    // A poisoned map still holds valid senders; keep going.
-    waiters.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn close(close_tx: &watch::Sender<Option<String>>, waiters: &Waiters, reason: &str) {
@@ -301,7 +295,7 @@ fn close(close_tx: &watch::Sender<Option<String>>, waiters: &Waiters, reason: &s
             false
         }
     });
-    lock(waiters).clear();
+    waiters.locked().clear();
 }
 
 async fn read_frames<S>(
@@ -403,7 +397,7 @@ async fn dispatch_lines(lines: &mut Lines, waiters: &Waiters) -> Result<(), Stri
         let Multiplexed(job, msg) = serde_json::from_slice::<Multiplexed<WorkerMessage>>(&line)
             .map_err(|e| format!("bad frame from the runner: {e}"))?;
         drop(line);
-        let waiter = lock(waiters).get(&job).cloned();
+        let waiter = waiters.locked().get(&job).cloned();
         match waiter {
             Some(tx) => {
                 // A job that stopped waiting dropped its receiver: the send fails at once.

@@ -7,6 +7,7 @@
 //! the workspaces that have none.
 
 use crate::config::{SandboxUids, UidRange};
+use crate::sync::LockExt as _;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -53,7 +54,7 @@ impl SandboxUidPool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, InUse> {
-        self.in_use.lock().unwrap_or_else(|p| p.into_inner())
+        self.in_use.locked()
     }
 
     /// A uid no live sandbox has (the shared uid, with one for all), held until

@@ -11,6 +11,7 @@ pub(crate) use registry::Registry;
 
 use crate::clock::now_ms;
 use crate::sandbox::{Sandbox, SandboxFiles};
+use crate::sync::LockExt as _;
 use crate::workspace::{FileIndex, Workspace};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -152,7 +153,7 @@ impl Session {
 
     /// The current sandbox.
     pub(crate) fn sandbox(&self) -> Option<Arc<Sandbox>> {
-        lock(&self.sandbox).clone()
+        self.sandbox.locked().clone()
     }
 
     /// Where the session's files are now: its workspace, and its sandbox while the runner
@@ -166,12 +167,12 @@ impl Session {
 
     /// Replaces the sandbox, returning the old one.
     pub(crate) fn set_sandbox(&self, sandbox: Option<Arc<Sandbox>>) -> Option<Arc<Sandbox>> {
-        std::mem::replace(&mut *lock(&self.sandbox), sandbox)
+        std::mem::replace(&mut *self.sandbox.locked(), sandbox)
     }
 
     /// The file index, briefly.
     pub(crate) fn index(&self) -> MutexGuard<'_, FileIndex> {
-        lock(&self.index)
+        self.index.locked()
     }
 
     /// Records that the session was just used.
@@ -189,7 +190,7 @@ impl Session {
     /// Holds back background work (see `after_exec`) until the exec that holds an
     /// [`Session::exec_running`] ends.
     pub(crate) fn hold_until_exec_ends(&self, work: DropGuard) {
-        lock(&self.after_exec).push(work);
+        self.after_exec.locked().push(work);
     }
 
     /// For an exec, however it ends: dropped, lets the work held back for this session go,
@@ -235,7 +236,7 @@ pub(crate) struct ExecRunning<'a>(&'a Session);
 
 impl Drop for ExecRunning<'_> {
     fn drop(&mut self) {
-        let held = std::mem::take(&mut *lock(&self.0.after_exec));
+        let held = std::mem::take(&mut *self.0.after_exec.locked());
         drop(held);
     }
 }
@@ -258,11 +259,6 @@ pub(crate) fn visible(user: Option<&str>, owner: Option<&str>) -> bool {
 /// same one. A caller outside every tenant (a route without authentication) sees nothing.
 pub(crate) fn same_tenant(caller: Option<&str>, owner: Option<&str>) -> bool {
     caller.is_some() && caller == owner
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing leaves these values half-updated, so a poisoned lock is still usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

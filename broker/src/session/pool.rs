@@ -12,6 +12,7 @@
 use crate::config::{PoolConfig, PreloadModules};
 use crate::ids::new_id;
 use crate::sandbox::{CpuWeight, Sandbox, SandboxBackend, Warmup};
+use crate::sync::LockExt as _;
 use crate::workspace::Workspace;
 use std::collections::VecDeque;
 use std::path::Path;
@@ -227,10 +228,7 @@ impl Pool {
     /// Hands back a taken sandbox that could not be used; the refiller removes it.
     pub(crate) fn discard(&self, pooled: Pooled) {
         pooled.sandbox.close("not handed out");
-        self.discarded
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(pooled);
+        self.discarded.locked().push(pooled);
         self.wake.notify_one();
     }
 
@@ -263,11 +261,7 @@ impl Pool {
     /// sessions a second, so a peak of two) a pool of two would hand out kernels still
     /// importing.
     pub(crate) fn target(&self) -> usize {
-        let peak = self
-            .demand
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .peak(Instant::now());
+        let peak = self.demand.locked().peak(Instant::now());
         let on_the_way = if peak > 0 && !self.preload.names().is_empty() {
             PRELOADS_AT_ONCE
         } else {
@@ -299,10 +293,7 @@ impl Pool {
                 ready.drain(..).partition(|p| p.sandbox.is_alive());
             *ready = alive.into();
             if !dead.is_empty() {
-                self.discarded
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .extend(dead);
+                self.discarded.locked().extend(dead);
             }
             // The oldest of the best rank (min_by_key keeps the first of equals).
             let pick = (0..ready.len())
@@ -313,11 +304,8 @@ impl Pool {
         if taken.is_none() && !count_miss {
             return None;
         }
-        self.demand
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .record(now);
-        *self.last_take.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
+        self.demand.locked().record(now);
+        *self.last_take.locked() = Some(now);
         self.wake.notify_one();
         taken
     }
@@ -341,15 +329,14 @@ impl Pool {
             );
         }
         loop {
-            let last_take = *self.last_take.lock().unwrap_or_else(|p| p.into_inner());
+            let last_take = *self.last_take.locked();
             if let Some(taken) = last_take {
                 tokio::select! {
                     _ = tokio::time::sleep_until(taken + REFILL_DELAY) => {}
                     _ = shutdown.cancelled() => break,
                 }
             }
-            let dead =
-                std::mem::take(&mut *self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
+            let dead = std::mem::take(&mut *self.discarded.locked());
             for pooled in dead {
                 tracing::debug!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
                 remove(&*docker, pooled).await;
@@ -411,8 +398,7 @@ impl Pool {
                         dead
                     };
                     self.discarded
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
+                        .locked()
                         .extend(dead);
                 }
                 _ = shutdown.cancelled() => break,
@@ -511,7 +497,7 @@ impl Pool {
             ready.drain(..).collect()
         };
         // Dead ones not yet removed by the refiller go too.
-        drained.append(&mut self.discarded.lock().unwrap_or_else(|p| p.into_inner()));
+        drained.append(&mut self.discarded.locked());
         for pooled in drained {
             remove(docker, pooled).await;
         }
@@ -536,7 +522,7 @@ impl Pool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
-        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+        self.ready.locked()
     }
 }
 

@@ -43,10 +43,10 @@ impl BodyCut {
     pub(crate) fn to_error(self) -> AppError {
         let head_kib = MAX_MULTIPART_HEAD / 1024;
         match self {
-            BodyCut::Preamble => AppError::BadRequest(format!(
+            BodyCut::Preamble => AppError::bad_request(format!(
                 "malformed multipart body: more than {head_kib} KiB before the first boundary"
             )),
-            BodyCut::PartHeaders => AppError::BadRequest(format!(
+            BodyCut::PartHeaders => AppError::bad_request(format!(
                 "malformed multipart body: a part's headers run past {head_kib} KiB"
             )),
             BodyCut::Stalled { secs } => AppError::RequestTimeout(format!(

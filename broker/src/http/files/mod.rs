@@ -116,7 +116,7 @@ async fn list_files(
     Query(query): Query<HashMap<String, String>>,
 ) -> AppResult<Json<Value>> {
     if !is_valid_id(&session_id) {
-        return Err(AppError::BadRequest(format!(
+        return Err(AppError::bad_request(format!(
             "invalid session id: {session_id:?}"
         )));
     }
@@ -241,7 +241,7 @@ async fn delete_file(
 ) -> AppResult<Json<Value>> {
     let (session, _) = readable_record(&state, &caller, &session_id, &file_id)?;
     if session.is_shared() {
-        return Err(AppError::Forbidden(format!(
+        return Err(AppError::forbidden(format!(
             "file {file_id} is a shared file (a skill's or an agent's): shared files are \
              read-only for everyone and expire after {} s; upload a new version instead",
             state.broker.config().file_ttl_secs

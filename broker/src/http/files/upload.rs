@@ -75,7 +75,7 @@ async fn read_form(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     let boundary = multer::parse_boundary(content_type)
-        .map_err(|e| AppError::BadRequest(format!("expected a multipart/form-data body: {e}")))?;
+        .map_err(|e| AppError::bad_request(format!("expected a multipart/form-data body: {e}")))?;
     let cut = CutReason::default();
     let stall = Duration::from_secs(broker.config().caps.upload_stall_secs);
     let body = GuardedBody::new(body.into_data_stream(), &boundary, stall, cut.clone());
@@ -84,7 +84,7 @@ async fn read_form(
     let failed = |context: &str, e: multer::Error| {
         cut.get()
             .map(BodyCut::to_error)
-            .unwrap_or_else(|| AppError::BadRequest(format!("{context}: {e}")))
+            .unwrap_or_else(|| AppError::bad_request(format!("{context}: {e}")))
     };
     let mut form = UploadForm {
         staged: Vec::new(),
@@ -109,7 +109,7 @@ async fn read_form(
         let Some(file_name) = field.file_name().map(str::to_string) else {
             text_fields += 1;
             if text_fields > MAX_TEXT_FIELDS {
-                return Err(AppError::BadRequest(format!(
+                return Err(AppError::bad_request(format!(
                     "at most {MAX_TEXT_FIELDS} form fields besides files per upload"
                 )));
             }
@@ -118,7 +118,7 @@ async fn read_form(
             continue;
         };
         if form.staged.len() + form.refused.len() >= MAX_FILES_PER_UPLOAD {
-            return Err(AppError::BadRequest(format!(
+            return Err(AppError::bad_request(format!(
                 "at most {MAX_FILES_PER_UPLOAD} files per upload"
             )));
         }
@@ -152,7 +152,7 @@ async fn read_form(
             }
             staged_bytes += chunk.len() as u64;
             if let Some(budget) = budget.filter(|b| staged_bytes > b.limit) {
-                return Err(AppError::PayloadTooLarge(format!(
+                return Err(AppError::too_large(format!(
                     "the files of this upload together are over {}: each is kept, and \
                      placed in /mnt/data, and both copies count",
                     budget.describe()
@@ -171,7 +171,7 @@ async fn read_form(
             .await
             .map_err(|e| AppError::internal(format!("cannot stage upload: {e}")))?;
         if too_large {
-            let err = AppError::PayloadTooLarge(format!(
+            let err = AppError::too_large(format!(
                 "{file_name} is larger than the upload limit of {} MiB",
                 broker.config().caps.max_upload_mb
             ));
@@ -210,7 +210,7 @@ async fn read_text_field(
         .map_err(|e| failed(&format!("malformed form field {name:?}"), e))?
     {
         if bytes.len() + chunk.len() > MAX_TEXT_FIELD_BYTES {
-            return Err(AppError::PayloadTooLarge(format!(
+            return Err(AppError::too_large(format!(
                 "form field {name:?} is over {} KiB",
                 MAX_TEXT_FIELD_BYTES / 1024
             )));
@@ -218,7 +218,7 @@ async fn read_text_field(
         bytes.extend_from_slice(&chunk);
     }
     String::from_utf8(bytes)
-        .map_err(|_| AppError::BadRequest(format!("form field {name:?} is not UTF-8")))
+        .map_err(|_| AppError::bad_request(format!("form field {name:?} is not UTF-8")))
 }
 
 /// The session an upload goes to. Shared files (see [`shares_in_tenant`]) get a new
@@ -235,7 +235,7 @@ async fn upload_session(
     if let (true, Some(tenant)) = (shares_in_tenant(fields), tenant) {
         if let Some(id) = field("session_id").or(field("storage_session_id")) {
             if !is_valid_id(id) {
-                return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+                return Err(AppError::bad_request(format!("invalid session_id: {id:?}")));
             }
         }
         return Ok(broker
@@ -244,7 +244,7 @@ async fn upload_session(
     }
     let session_id = field("session_id").or(field("storage_session_id"));
     if let Some(id) = session_id.filter(|id| !is_valid_id(id)) {
-        return Err(AppError::BadRequest(format!("invalid session_id: {id:?}")));
+        return Err(AppError::bad_request(format!("invalid session_id: {id:?}")));
     }
     Ok(broker
         .session_for_upload(tenant, user, session_id, field("entity_id"))
@@ -302,7 +302,7 @@ pub(super) async fn upload(
 ) -> AppResult<Json<Value>> {
     let (mut form, guard) = read_form(&state.broker, &headers, body, true).await?;
     if form.staged.is_empty() {
-        return Err(AppError::BadRequest(
+        return Err(AppError::bad_request(
             "no file in the upload: send multipart field `file`".into(),
         ));
     }
@@ -357,7 +357,7 @@ pub(super) async fn upload_batch(
 ) -> AppResult<Json<Value>> {
     let (mut form, guard) = read_form(&state.broker, &headers, body, false).await?;
     if form.staged.is_empty() && form.refused.is_empty() {
-        return Err(AppError::BadRequest(
+        return Err(AppError::bad_request(
             "no file in the upload: send multipart fields `file`".into(),
         ));
     }

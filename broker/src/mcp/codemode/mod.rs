@@ -29,8 +29,9 @@ use self::search::rank;
 use self::upstream::{parse_server, UpstreamSlot};
 use self::wrap::{wrap_js, wrap_py, wrap_ts};
 use crate::config::CodeModeConfig;
-use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge, Verdict};
+use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge};
 use crate::session::Session;
+use crate::sync::LockExt as _;
 use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -398,7 +399,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
                 while answering.try_join_next().is_some() {}
                 if call.name == RESULT_TOOL {
                     // A poisoned lock still holds a whole value: the report is kept.
-                    *report.lock().unwrap_or_else(|p| p.into_inner()) = Some(call.input.clone());
+                    *report.locked() = Some(call.input.clone());
                     let _ = results_tx
                         .send(ToolResult {
                             call_id: call.call_id,
@@ -468,7 +469,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             .await
             .map_err(|e| Error::internal(format!("output collector failed: {e}")))?;
         let logs = log_lines(&chunks);
-        let report = reported.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let report = reported.locked().clone();
         let mut result = Value::Null;
         let mut error = None;
         if let Some(report) = report {
@@ -479,15 +480,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
                 .map(str::to_string);
         }
         if error.is_none() {
-            error = match output.verdict() {
-                Verdict::Ok => None,
-                Verdict::Limit(limits) => {
-                    let messages: Vec<&str> = limits.iter().map(|l| l.message()).collect();
-                    Some(messages.join("; "))
-                }
-                Verdict::Failed(code) => Some(format!("The code failed (exit code {code})")),
-                Verdict::Stopped => Some("The code was stopped".to_string()),
-            };
+            error = crate::render::verdict_text(&output);
         }
         Ok(Outcome {
             result,

@@ -32,6 +32,7 @@ use super::{KubernetesBackend, OwnContainer, POLL_EVERY};
 use crate::config::SandboxProfile;
 use crate::sandbox::backend::SandboxUnavailable;
 use crate::sandbox::{labels, RunnerChannel};
+use crate::sync::LockExt as _;
 use anyhow::anyhow;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
@@ -78,7 +79,7 @@ impl Claims {
     }
 
     fn lock_pods(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
-        self.pods_of.lock().unwrap_or_else(|e| e.into_inner())
+        self.pods_of.locked()
     }
 }
 

@@ -22,6 +22,7 @@ use super::channel::AttachOutput;
 use super::docker::heartbeat_every;
 use super::{labels, runner_files, CpuWeight, OwnContainer, RunnerChannel, Sandbox, Warmup};
 use crate::config::{Config, KubernetesMode, SandboxProfile, SeccompChoice};
+use crate::sync::LockExt as _;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use anyhow::{anyhow, Context};
 use claims::Claims;
@@ -414,7 +415,7 @@ impl KubernetesBackend {
     }
 
     fn lock_settled(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.settled.lock().unwrap_or_else(|e| e.into_inner())
+        self.settled.locked()
     }
 
     /// Reads one file of the image: a pod of the image runs `cat` on it, its log is the
