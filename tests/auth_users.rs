@@ -351,7 +351,7 @@ async fn wait_for_containers(broker: &TestBroker, n: usize) {
 async fn container_cap_answers_429_while_all_run_code() {
     let broker = TestBroker::start_with("cap", |c| {
         c.caps.max_containers = ContainerCap::Count(1);
-        c.max_exec_timeout_ms = 10_000;
+        c.exec_limits.max_exec_timeout_ms = 10_000;
         // Without code mode (whose execute may run longer) a plain exec is the longest.
         c.code_mode.codemode = false;
     })

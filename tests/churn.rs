@@ -40,7 +40,7 @@ async fn health(broker: &TestBroker) -> Value {
 async fn the_cap_evicts_the_least_recently_used_container() {
     let broker = TestBroker::start_with("cap", |c| {
         c.caps.max_live_sandboxes = 2;
-        c.single_use_ttl_secs = 0;
+        c.lifecycle.single_use_ttl_secs = 0;
     })
     .await;
     let s1 = session(&broker.run("py", "x = 1", None).await);
@@ -91,7 +91,7 @@ async fn the_cap_evicts_the_least_recently_used_container() {
 async fn a_container_evicted_to_make_room_goes_once_the_exec_that_needed_it_ends() {
     let broker = TestBroker::start_with("cap-after", |c| {
         c.caps.max_live_sandboxes = 1;
-        c.single_use_ttl_secs = 0;
+        c.lifecycle.single_use_ttl_secs = 0;
     })
     .await;
     let first = session(&broker.run("py", "x = 1", None).await);
@@ -140,8 +140,8 @@ async fn a_container_evicted_to_make_room_goes_once_the_exec_that_needed_it_ends
 #[tokio::test]
 async fn containers_of_single_use_sessions_go_first() {
     let broker = TestBroker::start_with("ttl1", |c| {
-        c.single_use_ttl_secs = 2;
-        c.reap_interval_secs = 1;
+        c.lifecycle.single_use_ttl_secs = 2;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let once = session(&broker.run("bash", "echo once", None).await);

@@ -186,8 +186,8 @@ async fn a_read_only_input_removed_through_the_runner_is_put_back() {
 
 /// Four files an exec may report, of at most 1 MiB, in 3 MiB per session.
 fn caps(c: &mut Config) {
-    c.max_output_files = 4;
-    c.max_output_file_mb = 1;
+    c.exec_limits.max_output_files = 4;
+    c.exec_limits.max_output_file_mb = 1;
     c.caps.session_storage = 3 * MIB;
 }
 

@@ -56,7 +56,7 @@ head -c 3000000 /dev/zero > big.bin
 
 #[tokio::test]
 async fn the_runner_path_harvests_what_the_host_path_does() {
-    let limit = |c: &mut Config| c.max_output_file_mb = 2;
+    let limit = |c: &mut Config| c.exec_limits.max_output_file_mb = 2;
     let host = TestBroker::start_with("xfer-host", limit).await;
     let runner = runner_broker("xfer-runner", limit).await;
     let a = host.run("bash", MIXED, None).await;
@@ -133,8 +133,8 @@ async fn links_out_of_the_workspace_are_never_read_or_written_through() {
 #[tokio::test]
 async fn floods_and_oversized_files_are_capped_as_on_the_host_path() {
     let caps = |c: &mut Config| {
-        c.max_output_files = 5;
-        c.max_output_file_mb = 1;
+        c.exec_limits.max_output_files = 5;
+        c.exec_limits.max_output_file_mb = 1;
     };
     let code =
         "for i in $(seq 1 60); do echo $i > f$i.txt; done; head -c 2000000 /dev/zero > huge.bin";

@@ -79,7 +79,7 @@ async fn parallel_fetches_are_bounded_per_exec() {
         config.code_mode.codemode = true;
         config.code_mode.codemode_http_allow = vec![format!("127.0.0.1:{port}")];
         config.code_mode.codemode_timeout_ms = 120_000;
-        config.max_programmatic_timeout_ms = 120_000;
+        config.exec_limits.max_programmatic_timeout_ms = 120_000;
     })
     .await;
     let client = mcp_client::connect(&broker, None).await.expect("connect");

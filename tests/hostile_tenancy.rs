@@ -365,7 +365,7 @@ async fn a_refused_request_evicts_no_other_users_container() {
     let broker = two_keys("tenancy-make-room", |c| {
         c.caps.max_containers = codebroker::config::ContainerCap::Count(2);
         c.caps.max_sessions_per_user = 1;
-        c.max_exec_timeout_ms = 20_000;
+        c.exec_limits.max_exec_timeout_ms = 20_000;
     })
     .await;
     let (status, bob) = exec(

@@ -134,8 +134,8 @@ async fn two_live_sandboxes_run_as_different_uids_and_cannot_reach_each_other() 
 #[tokio::test]
 async fn files_and_python_state_survive_a_new_sandbox_under_another_uid() {
     let broker = TestBroker::start_with("uid-again", |c| {
-        c.idle_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let first = broker
@@ -185,8 +185,8 @@ async fn files_and_python_state_survive_a_new_sandbox_under_another_uid() {
 #[tokio::test]
 async fn read_only_uploads_stay_the_brokers_when_the_next_sandbox_is_handed_the_workspace() {
     let broker = TestBroker::start_with("uid-skill", |c| {
-        c.idle_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let form = Form::new()
@@ -327,8 +327,8 @@ async fn when_every_uid_is_taken_a_new_sandbox_is_refused_clearly_and_later_serv
     // Two uids for sandboxes (the first of the range is given to none).
     let broker = TestBroker::start_with("uid-out", |c| {
         c.sandbox.sandbox_uids = "300000-300002".parse().expect("range");
-        c.idle_ttl_secs = 15;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 15;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let a = broker.run("bash", "id -u; id -g", None).await;

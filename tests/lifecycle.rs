@@ -65,8 +65,8 @@ async fn lockdown_flags_read_back_from_docker_inspect() {
 #[tokio::test]
 async fn an_idle_container_is_removed_and_the_session_restarts_on_its_files() {
     let broker = TestBroker::start_with("idle", |c| {
-        c.idle_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
         // Only the files here; the Python state kept across containers: python_state.rs.
         c.state.persist_state = false;
     })

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 /// A broker that removes a session's container one second after its last exec.
 async fn idle_broker(tag: &str, adjust: impl FnOnce(&mut Config)) -> TestBroker {
     TestBroker::start_with(tag, |c| {
-        c.idle_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
         adjust(c);
     })
     .await
@@ -127,9 +127,9 @@ async fn a_dataframe_a_model_arrays_and_an_object_survive_an_idle_removal() {
 async fn a_session_used_once_keeps_its_variables_past_the_single_use_ttl() {
     // The idle TTL is far away: only the single-use rule removes this container.
     let broker = TestBroker::start_with("state-single", |c| {
-        c.idle_ttl_secs = 600;
-        c.single_use_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 600;
+        c.lifecycle.single_use_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let once = broker
@@ -360,7 +360,7 @@ async fn with_the_setting_off_nothing_is_saved() {
 #[ignore]
 async fn measure_a_100_mb_dataframe() {
     let broker = idle_broker("state-measure", |c| {
-        c.idle_ttl_secs = 2;
+        c.lifecycle.idle_ttl_secs = 2;
         c.sandbox.memory_mb = 2048;
     })
     .await;

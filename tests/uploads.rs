@@ -345,8 +345,8 @@ async fn bad_uploads_are_refused_and_nothing_is_lost() {
 #[tokio::test]
 async fn expired_files_answer_404_and_free_their_space() {
     let broker = TestBroker::start_with("ttl", |c| {
-        c.file_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.file_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let (_, up) = upload(

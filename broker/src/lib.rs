@@ -3,6 +3,8 @@
 //! [`run`] serves the HTTP API on a listener it is given, so tests bind port 0; the
 //! binary in `main.rs` only parses the configuration and calls it.
 
+#![warn(unreachable_pub)]
+
 // What the binary, the tests and the bench use is public; the rest is the crate's own.
 pub mod cli;
 pub mod config;
@@ -39,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 /// Connects to the sandbox backend (Docker or Kubernetes), prepares the data directory
 /// and re-attaches to this instance's sandboxes: everything `run` needs, ready to serve.
 pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
-    config.validate().map_err(anyhow::Error::msg)?;
+    config.validate()?;
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     http::jwt::JwtKeys::load(&config.access).context("cannot load the JWT public keys")?;
     if identity::check(config.sandbox_uids())? == identity::Identity::SameAsSandbox
@@ -81,7 +83,8 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     let backend: Arc<dyn SandboxBackend> = match config.backend {
         BackendKind::Docker => {
             let docker =
-                DockerBackend::connect(config.sandbox.clone(), config.idle_ttl_secs).await?;
+                DockerBackend::connect(config.sandbox.clone(), config.lifecycle.idle_ttl_secs)
+                    .await?;
             if !docker.image_present().await {
                 tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
             }
@@ -156,7 +159,7 @@ pub async fn run(
         // and open MCP streams end.
         signalled.cancel();
     });
-    let grace = Duration::from_secs(broker.config().shutdown_grace);
+    let grace = Duration::from_secs(broker.config().lifecycle.shutdown_grace);
     let served = tokio::select! {
         served = served => served.context("server failed"),
         _ = async {
@@ -177,7 +180,7 @@ pub async fn run(
 }
 
 async fn reap_loop(broker: Arc<Broker>, stop: CancellationToken) {
-    let every = Duration::from_secs(broker.config().reap_interval_secs.max(1));
+    let every = Duration::from_secs(broker.config().lifecycle.reap_interval_secs.max(1));
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {

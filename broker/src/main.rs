@@ -30,7 +30,7 @@ async fn serve(config: codebroker::config::Config) -> anyhow::Result<()> {
     // SAFETY: umask only changes this process's file creation mask.
     unsafe { libc::umask(0o077) };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    if config.log_format == "json" {
+    if config.log_format == codebroker::config::LogFormat::Json {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .json()

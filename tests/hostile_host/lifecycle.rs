@@ -246,8 +246,8 @@ async fn sixty_four_sessions_over_the_cap_are_refused_with_429() {
 #[tokio::test]
 async fn idle_reaping_never_kills_a_starting_exec() {
     let broker = TestBroker::start_with("hh-reap", |c| {
-        c.idle_ttl_secs = 1;
-        c.reap_interval_secs = 1;
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
     })
     .await;
     let first = broker.run("bash", "echo start", None).await;

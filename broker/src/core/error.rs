@@ -5,7 +5,7 @@
 /// Everything the core can fail with. Internal errors carry their full context for the
 /// log; front ends show clients only a generic message for them.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// The request names something malformed (an id, a name).
     #[error("{0}")]
     BadRequest(String),

@@ -320,11 +320,11 @@ impl Broker {
             code: input.code,
             args: input.args,
             timeout_ms,
-            max_output_bytes: self.config.max_output_bytes,
+            max_output_bytes: self.config.exec_limits.max_output_bytes,
             stream: events.is_some(),
             tools: specs,
-            max_display_events: self.config.max_display_events,
-            max_display_bytes: self.config.max_display_bytes,
+            max_display_events: self.config.exec_limits.max_display_events,
+            max_display_bytes: self.config.exec_limits.max_display_bytes,
         };
         // The runner keeps the same budget; this one holds whatever the sandbox sends.
         let mut displays = DisplayBudget::of(&request);
@@ -438,13 +438,13 @@ impl Broker {
     /// setting for its kind of exec.
     fn exec_timeout_ms(&self, asked: Option<u64>, with_tools: bool) -> u64 {
         let cap = if with_tools {
-            self.config.max_programmatic_timeout_ms
+            self.config.exec_limits.max_programmatic_timeout_ms
         } else {
-            self.config.max_exec_timeout_ms
+            self.config.exec_limits.max_exec_timeout_ms
         };
         asked
             .filter(|t| *t > 0)
-            .unwrap_or(self.config.exec_timeout_ms)
+            .unwrap_or(self.config.exec_limits.exec_timeout_ms)
             .min(cap)
     }
 
@@ -500,8 +500,12 @@ impl Broker {
         inputs: &[PlacedInput],
     ) -> Result<()> {
         let limits = HarvestLimits {
-            max_files: self.config.max_output_files,
-            max_file_bytes: self.config.max_output_file_mb.saturating_mul(1024 * 1024),
+            max_files: self.config.exec_limits.max_output_files,
+            max_file_bytes: self
+                .config
+                .exec_limits
+                .max_output_file_mb
+                .saturating_mul(1024 * 1024),
             storage: self.storage_budget(session),
         };
         let collected = self.harvest(session, limits).await?;

@@ -676,14 +676,14 @@ impl Broker {
 
     /// Whether a file version is past the file TTL.
     pub(crate) fn is_expired(&self, record: &FileRecord) -> bool {
-        let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
+        let ttl_ms = self.config.lifecycle.file_ttl_secs.saturating_mul(1000);
         now_ms().saturating_sub(record.created_ms) >= ttl_ms
     }
 
     /// Frees expired files of every session, and removes sessions that have nothing left
     /// and have been idle past the file TTL (their workspaces too).
     pub(crate) async fn expire_files(&self) {
-        let ttl_ms = self.config.file_ttl_secs.saturating_mul(1000);
+        let ttl_ms = self.config.lifecycle.file_ttl_secs.saturating_mul(1000);
         for session in self.registry.all() {
             let expired: Vec<String> = session
                 .index()

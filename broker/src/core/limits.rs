@@ -523,7 +523,7 @@ mod tests {
         Limits::new(
             &config.caps,
             config.sandbox.memory_mb,
-            config.max_exec_timeout_ms,
+            config.exec_limits.max_exec_timeout_ms,
             None,
         )
     }
@@ -643,7 +643,7 @@ mod tests {
     fn global_container_cap() {
         let limits = limits(|c| {
             c.caps.max_containers = ContainerCap::Count(2);
-            c.max_exec_timeout_ms = 30_000;
+            c.exec_limits.max_exec_timeout_ms = 30_000;
         });
         let now = 1_000_000;
         let mut starting = Starting::default();
@@ -673,7 +673,7 @@ mod tests {
     fn per_user_session_cap() {
         let limits = limits(|c| {
             c.caps.max_sessions_per_user = 1;
-            c.max_exec_timeout_ms = 5_000;
+            c.exec_limits.max_exec_timeout_ms = 5_000;
         });
         let now = 1_000_000;
         let mut starting = Starting::default();
@@ -755,7 +755,7 @@ mod tests {
     #[test]
     fn retry_after_matches_the_longest_exec() {
         let mut config = Config::for_tests("/tmp".into(), "limits-test");
-        config.max_exec_timeout_ms = 30_000;
+        config.exec_limits.max_exec_timeout_ms = 30_000;
         config.code_mode.codemode_timeout_ms = 60_000;
         config.code_mode.codemode = false;
         assert_eq!(config.longest_exec_ms(), 30_000);
@@ -785,7 +785,7 @@ mod tests {
         let limits = limits(|c| {
             c.caps.max_sessions_per_user = 1;
             c.caps.max_containers = ContainerCap::Count(2);
-            c.max_exec_timeout_ms = 10_000;
+            c.exec_limits.max_exec_timeout_ms = 10_000;
         });
         let now = 1_000_000;
         let a_busy_b_idle = [live("a", now - 4_000, true), live("b", now, false)];

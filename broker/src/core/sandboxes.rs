@@ -207,8 +207,12 @@ impl Broker {
             (a, b) => a.min(b),
         };
         evict::Policy {
-            idle_ttl_ms: self.config.idle_ttl_secs.saturating_mul(1000),
-            single_use_ttl_ms: self.config.single_use_ttl_secs.saturating_mul(1000),
+            idle_ttl_ms: self.config.lifecycle.idle_ttl_secs.saturating_mul(1000),
+            single_use_ttl_ms: self
+                .config
+                .lifecycle
+                .single_use_ttl_secs
+                .saturating_mul(1000),
             max_live: lowest(
                 self.config.caps.max_live_sandboxes,
                 self.limits.max_containers(),
@@ -373,7 +377,8 @@ impl Broker {
     /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
     pub(crate) async fn shutdown(&self) {
         self.pool.drain(&*self.backend).await;
-        let remove = self.config.shutdown_containers == crate::config::ShutdownContainers::Remove;
+        let remove =
+            self.config.lifecycle.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
         let mut removals = Vec::new();
         for session in self.registry.all() {

@@ -397,7 +397,7 @@ async fn exec_stream(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let (choice, input) = body.into_parts(&caller)?;
-    let inline_left = state.broker.config().max_display_bytes;
+    let inline_left = state.broker.config().exec_limits.max_display_bytes;
     let keepalive = Duration::from_secs(state.broker.config().stream_keepalive_secs);
     let (tx, rx) = mpsc::channel(STREAM_QUEUE);
     let cancel = CancellationToken::new();

@@ -441,7 +441,7 @@ async fn advance(state: &AppState, run: Arc<Run>) -> AppResult<Value> {
 
 /// Stops a run whose client did not come back within the token TTL.
 fn expire_token_later(state: &AppState, token: String, run: Arc<Run>) {
-    let ttl = Duration::from_secs(state.broker.config().continuation_ttl_secs.max(1));
+    let ttl = Duration::from_secs(state.broker.config().lifecycle.continuation_ttl_secs.max(1));
     let runs = state.runs.clone();
     tokio::spawn(async move {
         tokio::time::sleep(ttl).await;

@@ -794,7 +794,7 @@ mod tests {
             uids: SandboxUidPool::new(config.sandbox.sandbox_uids()),
             image_accounts: tokio::sync::OnceCell::new(),
             profile: config.sandbox,
-            idle_ttl_secs: config.idle_ttl_secs,
+            idle_ttl_secs: config.lifecycle.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             host_memory: None,
             cpu_weight_settable: AtomicBool::new(true),

@@ -54,7 +54,7 @@ pub(crate) struct SessionMeta {
 pub(crate) type OwnerKey = (Option<String>, Option<String>);
 
 /// One chat session.
-pub struct Session {
+pub(crate) struct Session {
     /// Identity and owner.
     pub(crate) meta: SessionMeta,
     /// Its files on the host.

@@ -33,7 +33,7 @@ const SLOW_PACE: Duration = Duration::from_millis(1000);
 fn default_pool(config: &mut Config) {
     let shipped = Config::parse_from(["codebroker"]);
     config.pool = shipped.pool;
-    config.single_use_ttl_secs = shipped.single_use_ttl_secs;
+    config.lifecycle.single_use_ttl_secs = shipped.lifecycle.single_use_ttl_secs;
     config.caps.max_containers = shipped.caps.max_containers;
 }
 

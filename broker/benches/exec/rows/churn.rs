@@ -21,8 +21,8 @@ pub(crate) async fn rows(
     let bench = Bench::start("churn", data, |c| {
         c.pool.pool_size = 2;
         c.caps.max_live_sandboxes = cap;
-        c.single_use_ttl_secs = 10;
-        c.reap_interval_secs = 2;
+        c.lifecycle.single_use_ttl_secs = 10;
+        c.lifecycle.reap_interval_secs = 2;
     })
     .await;
     let started = Instant::now();

@@ -27,7 +27,7 @@ async fn start(data: &std::path::Path, transfer: FileTransfer) -> Bench {
         c.caps.max_upload_mb = 128;
         c.pool.pool_size = 2;
         // A 100 MiB output is harvested, not left out as too large.
-        c.max_output_file_mb = 128;
+        c.exec_limits.max_output_file_mb = 128;
         c.sandbox.file_transfer = transfer;
     })
     .await

@@ -244,7 +244,7 @@ async fn delete_file(
         return Err(AppError::forbidden(format!(
             "file {file_id} is a shared file (a skill's or an agent's): shared files are \
              read-only for everyone and expire after {} s; upload a new version instead",
-            state.broker.config().file_ttl_secs
+            state.broker.config().lifecycle.file_ttl_secs
         )));
     }
     state

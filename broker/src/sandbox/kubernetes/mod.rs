@@ -185,7 +185,7 @@ impl KubernetesBackend {
             profile: config.sandbox.clone(),
             settings: PodSettings {
                 runtime_class,
-                idle_ttl_secs: config.idle_ttl_secs,
+                idle_ttl_secs: config.lifecycle.idle_ttl_secs,
             },
             ready_timeout: Duration::from_secs(config.kubernetes.k8s_ready_timeout_secs),
             observer: OnceLock::new(),
