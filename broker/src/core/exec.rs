@@ -3,6 +3,7 @@
 
 use crate::core::error::{Error, Result};
 use crate::core::files::PlacedInput;
+use crate::core::limits::ContainerSlot;
 use crate::core::{Broker, SessionChoice};
 use crate::sandbox::{docker::short, ChannelError, Sandbox};
 use crate::sandbox::{SandboxBackend, SandboxFiles};
@@ -226,6 +227,25 @@ impl Drop for ExecRun {
     }
 }
 
+/// An exec admitted by [`Broker::admit_exec`]: its session, and the reservation of the
+/// container start a session made for it needs. Only admission makes one, and
+/// [`Broker::spawn_exec`] takes only this: no front end can run code without the rate
+/// check and the caps.
+#[must_use = "the reservation ends when it is dropped"]
+pub(crate) struct Admitted {
+    /// The session the exec runs in.
+    session: Arc<Session>,
+    /// The container start reserved by admission, for a session it made without a
+    /// sandbox; handed to [`Broker::sandbox_for`], so the caps are not checked again.
+    slot: Option<ContainerSlot>,
+}
+
+impl AsRef<Session> for Admitted {
+    fn as_ref(&self) -> &Session {
+        &self.session
+    }
+}
+
 impl Broker {
     /// The one way a front end runs code: the caller's exec rate, the session choice
     /// (with its input refs authorised), then the exec in a task of its own.
@@ -235,8 +255,8 @@ impl Broker {
         input: ExecInput,
         hooks: ExecHooks,
     ) -> Result<ExecRun> {
-        let session = self.admit_exec(choice, &input.files).await?;
-        Ok(self.spawn_exec(session, input, hooks))
+        let admitted = self.admit_exec(choice, &input.files).await?;
+        Ok(self.spawn_exec(admitted, input, hooks))
     }
 
     /// The first half of [`Broker::start_exec`], for a front end that holds on to the
@@ -245,23 +265,23 @@ impl Broker {
         &self,
         choice: &SessionChoice,
         files: &[InputFile],
-    ) -> Result<Arc<Session>> {
+    ) -> Result<Admitted> {
         self.limits
             .check_exec(&(choice.tenant.clone(), choice.user.clone()))?;
-        self.choose_session(choice, files).await
+        let (session, slot) = self.choose_session(choice, files).await?;
+        Ok(Admitted { session, slot })
     }
 
-    /// The second half of [`Broker::start_exec`]: the exec in `session` (admitted by
-    /// [`Broker::admit_exec`]) in a task of its own.
+    /// The second half of [`Broker::start_exec`]: the admitted exec in a task of its own.
     pub(crate) fn spawn_exec(
         self: &Arc<Self>,
-        session: Arc<Session>,
+        admitted: Admitted,
         input: ExecInput,
         hooks: ExecHooks,
     ) -> ExecRun {
         let broker = self.clone();
-        let exec_session = session.clone();
-        let task = tokio::spawn(async move { broker.exec(exec_session, input, hooks).await });
+        let session = admitted.session.clone();
+        let task = tokio::spawn(async move { broker.exec(admitted, input, hooks).await });
         ExecRun {
             session,
             task,
@@ -274,10 +294,11 @@ impl Broker {
     /// of its own: if it is dropped half-way the runner is told to stop.
     async fn exec(
         &self,
-        session: Arc<Session>,
+        admitted: Admitted,
         input: ExecInput,
         hooks: ExecHooks,
     ) -> Result<ExecOutput> {
+        let Admitted { session, slot } = admitted;
         let _turn = session.acquire().await;
         // Containers evicted to make room for this exec are removed once it has ended.
         let _running = session.exec_running();
@@ -291,12 +312,13 @@ impl Broker {
         );
         let started = Instant::now();
         let mut notes = Vec::new();
+        // One direction: the sandbox, what changed while it was away, then the inputs
+        // straight into it.
+        let sandbox = self.sandbox_for(&session, slot).await?;
+        notes.extend(self.settle_files(&session).await);
         let inputs = self
             .place_inputs(&session, &input.files, input.tenant.as_deref(), &mut notes)
             .await?;
-
-        let sandbox = self.sandbox_for(&session).await?;
-        notes.extend(self.settle_files(&session).await);
         if input.lang == Language::Py {
             // The variables of the session's last container, if it saved them.
             notes.extend(self.restore_state(&session, &sandbox).await);

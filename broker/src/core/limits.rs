@@ -21,7 +21,7 @@ use crate::session::{OwnerKey, Registry};
 use crate::sync::LockExt as _;
 use sha2::Digest as _;
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -111,7 +111,7 @@ pub(crate) struct Limits {
     busy_for_ms: u64,
     /// Container starts admitted but not yet live, so that starts racing each other cannot
     /// all pass a cap that only one of them fits under.
-    starting: Mutex<Starting>,
+    starting: Arc<Mutex<Starting>>,
     /// With CODEBROKER_MAX_CONTAINERS=auto on the Docker host: admission by the memory
     /// the host has now, below `max_total` (the hard ceiling).
     memory: Option<HostMemory>,
@@ -145,19 +145,20 @@ pub(crate) struct LiveSession {
 /// The right to start (or hand out) one session container. Hold it until the container
 /// is set on its session; dropping it frees the place it reserved.
 #[must_use = "the reservation ends when the slot is dropped"]
-pub(crate) struct ContainerSlot<'a> {
-    /// Where the reservation is counted.
-    limits: &'a Limits,
+pub(crate) struct ContainerSlot {
+    /// Where the reservation is counted: owned, so that admission can hand the slot to the
+    /// exec's task, which starts the container.
+    starting: Arc<Mutex<Starting>>,
     /// The user it is counted for; `None` when no cap is on and nothing was counted.
     user: Option<UserKey>,
 }
 
-impl Drop for ContainerSlot<'_> {
+impl Drop for ContainerSlot {
     fn drop(&mut self) {
         let Some(user) = self.user.take() else {
             return;
         };
-        Limits::release(&mut self.limits.lock(), &user);
+        Limits::release(&mut self.starting.locked(), &user);
     }
 }
 
@@ -197,7 +198,7 @@ impl Limits {
             max_per_user,
             max_total,
             busy_for_ms,
-            starting: Mutex::new(Starting::default()),
+            starting: Arc::default(),
             memory,
         }
     }
@@ -311,10 +312,10 @@ impl Limits {
         registry: &Registry,
         owner: &UserKey,
         room_made: bool,
-    ) -> Result<ContainerSlot<'_>> {
+    ) -> Result<ContainerSlot> {
         if self.max_per_user == 0 && self.max_total == 0 {
             return Ok(ContainerSlot {
-                limits: self,
+                starting: self.starting.clone(),
                 user: None,
             });
         }
@@ -332,7 +333,7 @@ impl Limits {
             }
         }
         Ok(ContainerSlot {
-            limits: self,
+            starting: self.starting.clone(),
             user: Some(owner.clone()),
         })
     }

@@ -18,7 +18,7 @@ mod surface;
 
 pub(crate) use error::{Error, Result};
 pub(crate) use exec::{
-    Delivery, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict,
+    Admitted, Delivery, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict,
 };
 pub(crate) use sessions::SessionChoice;
 pub(crate) use surface::Refusal;

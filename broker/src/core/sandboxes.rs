@@ -4,6 +4,7 @@
 
 use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
+use crate::core::limits::ContainerSlot;
 use crate::core::{state, Broker};
 use crate::ids::is_valid_id;
 use crate::sandbox::{docker::short, CpuWeight, Sandbox, SandboxUnavailable, Warmup};
@@ -34,30 +35,24 @@ struct PooledSandbox {
 }
 
 impl Broker {
-    /// The session's live sandbox, or a new one on its workspace.
-    pub(crate) async fn sandbox_for(&self, session: &Arc<Session>) -> Result<Arc<Sandbox>> {
+    /// The session's live sandbox, or a new one on its workspace. `reserved`: the start
+    /// admission already reserved for a session it made (its caps checked and its
+    /// workspace just created); otherwise both happen here.
+    pub(crate) async fn sandbox_for(
+        &self,
+        session: &Arc<Session>,
+        reserved: Option<ContainerSlot>,
+    ) -> Result<Arc<Sandbox>> {
         if let Some(sandbox) = session.sandbox() {
             if sandbox.is_alive() {
                 return Ok(sandbox);
             }
             self.discard_sandbox(session, &sandbox).await;
         }
-        let owner = session.owner_key();
-        // Refused anyway: no other user's idle container is taken for it.
-        self.limits.check_user_room(&self.registry, &owner)?;
-        let removals = self.make_room(&owner);
-        let room_made = removals.is_some();
-        if let Some(removals) = removals {
-            session.hold_until_exec_ends(removals);
-        }
-        let _slot = self
-            .limits
-            .container_slot(&self.registry, &owner, room_made)?;
-        // Also brings a workspace of an older version to today's owners and modes.
-        session
-            .workspace
-            .create(self.config.workspace_uid())
-            .map_err(|e| Error::internal(format!("cannot recreate workspace: {e}")))?;
+        let _slot = match reserved {
+            Some(slot) => slot,
+            None => self.reserve_start(session)?,
+        };
         if let Some(sandbox) = self.sandbox_from_pool(session).await {
             return Ok(sandbox);
         }
@@ -74,6 +69,28 @@ impl Broker {
         let sandbox = Arc::new(sandbox);
         session.set_sandbox(Some(sandbox.clone()));
         Ok(sandbox)
+    }
+
+    /// Admission of a container start for a session that has none: the caller's room,
+    /// idle sandboxes removed to make room, the caps; then its workspace brought to
+    /// today's owners and modes (a workspace of an older version).
+    fn reserve_start(&self, session: &Arc<Session>) -> Result<ContainerSlot> {
+        let owner = session.owner_key();
+        // Refused anyway: no other user's idle container is taken for it.
+        self.limits.check_user_room(&self.registry, &owner)?;
+        let removals = self.make_room(&owner);
+        let room_made = removals.is_some();
+        if let Some(removals) = removals {
+            session.hold_until_exec_ends(removals);
+        }
+        let slot = self
+            .limits
+            .container_slot(&self.registry, &owner, room_made)?;
+        session
+            .workspace
+            .create(self.config.workspace_uid())
+            .map_err(|e| Error::internal(format!("cannot recreate workspace: {e}")))?;
+        Ok(slot)
     }
 
     /// A pooled sandbox for a session that has files but no live sandbox (made by an

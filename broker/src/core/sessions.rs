@@ -2,6 +2,7 @@
 
 use crate::clock::now_ms;
 use crate::core::error::{Error, Result};
+use crate::core::limits::ContainerSlot;
 use crate::core::{Broker, InputFile};
 use crate::ids::{is_valid_id, new_id};
 use crate::session::{same_tenant, OwnerKey, Session, SessionMeta};
@@ -28,11 +29,14 @@ impl Broker {
     /// Finds the session an exec should run in, or makes a new one. Its input refs are
     /// authorised here, against the caller: a ref into a session the caller may not see is
     /// a 403 whichever session the exec runs in.
+    ///
+    /// A session made here for the exec comes with the reservation of its container
+    /// start, which the exec hands to [`Broker::sandbox_for`]: the caps are checked once.
     pub(crate) async fn choose_session(
         &self,
         choice: &SessionChoice,
         files: &[InputFile],
-    ) -> Result<Arc<Session>> {
+    ) -> Result<(Arc<Session>, Option<ContainerSlot>)> {
         let user = choice.user.as_deref();
         let tenant = choice.tenant.as_deref();
         self.authorize_refs(tenant, user, files)?;
@@ -45,7 +49,7 @@ impl Broker {
             // An unknown (expired, or another user's or tenant's) session id gets a new
             // session; the response names it.
             if let Some(s) = visible(id) {
-                return Ok(s);
+                return Ok((s, None));
             }
         } else if let Some(s) = choice
             .runtime_session_hint
@@ -61,15 +65,15 @@ impl Broker {
                 })
             })
         {
-            return Ok(s);
+            return Ok((s, None));
         } else if let Some(s) = self.session_of_refs(tenant, user, files)? {
-            return Ok(s);
+            return Ok((s, None));
         } else if let Some(s) = shared
             .as_deref()
             .and_then(|key| self.registry.by_hint(tenant, user, key))
             .filter(|s| s.visible_to(tenant, user))
         {
-            return Ok(s);
+            return Ok((s, None));
         } else if let Some(s) = choice
             .entity_id
             .as_deref()
@@ -77,14 +81,15 @@ impl Broker {
             .and_then(|e| self.registry.by_entity(tenant, user, e))
             .filter(|s| s.visible_to(tenant, user))
         {
-            return Ok(s);
+            return Ok((s, None));
         }
         let hint = choice
             .runtime_session_hint
             .as_deref()
             .filter(|h| !h.is_empty() && !is_valid_id(h))
             .or(shared.as_deref());
-        self.new_session_with(tenant, user, choice.entity_id.as_deref(), hint, true)
+        let owner = (tenant.map(str::to_string), user.map(str::to_string));
+        self.create_session(owner, choice.entity_id.as_deref(), hint, None, true)
             .await
     }
 
@@ -196,22 +201,11 @@ impl Broker {
         entity_id: Option<&str>,
         for_exec: bool,
     ) -> Result<Arc<Session>> {
-        self.new_session_with(tenant, user, entity_id, None, for_exec)
-            .await
-    }
-
-    /// [`Broker::new_session`], also remembering the client's `runtime_session_hint`.
-    pub(crate) async fn new_session_with(
-        &self,
-        tenant: Option<&str>,
-        user: Option<&str>,
-        entity_id: Option<&str>,
-        hint: Option<&str>,
-        for_exec: bool,
-    ) -> Result<Arc<Session>> {
         let owner = (tenant.map(str::to_string), user.map(str::to_string));
-        self.create_session(owner, entity_id, hint, None, for_exec)
-            .await
+        let (session, _slot) = self
+            .create_session(owner, entity_id, None, None, for_exec)
+            .await?;
+        Ok(session)
     }
 
     /// A new session for files `user` uploads to share in `tenant` (skills, agent files):
@@ -225,10 +219,15 @@ impl Broker {
         entity_id: Option<&str>,
     ) -> Result<Arc<Session>> {
         let owner = (Some(tenant.to_string()), user.map(str::to_string));
-        self.create_session(owner, entity_id, None, Some(tenant), false)
-            .await
+        let (session, _) = self
+            .create_session(owner, entity_id, None, Some(tenant), false)
+            .await?;
+        Ok(session)
     }
 
+    /// A new session in the registry, with its workspace. `for_exec`: the caps are
+    /// checked for its container, a pooled sandbox is taken when one is ready, and
+    /// otherwise the reservation of the start comes back with the session.
     async fn create_session(
         &self,
         owner: OwnerKey,
@@ -236,7 +235,7 @@ impl Broker {
         hint: Option<&str>,
         shared_in: Option<&str>,
         for_exec: bool,
-    ) -> Result<Arc<Session>> {
+    ) -> Result<(Arc<Session>, Option<ContainerSlot>)> {
         crate::core::diskspace::check_room_for_new_session(
             &self.config.data_dir,
             self.config.caps.min_free_disk,
@@ -253,7 +252,7 @@ impl Broker {
         };
         // A session made to run code needs a sandbox: over a cap, 429 before anything is made.
         let room_made = removals.is_some();
-        let _slot = for_exec
+        let slot = for_exec
             .then(|| {
                 self.limits
                     .container_slot(&self.registry, &owner, room_made)
@@ -301,11 +300,15 @@ impl Broker {
         if let Some(removals) = removals {
             session.hold_until_exec_ends(removals);
         }
-        if let Some(p) = pooled {
-            self.take_pooled(&p);
-            session.set_sandbox(Some(p.sandbox));
+        match pooled {
+            Some(p) => {
+                self.take_pooled(&p);
+                session.set_sandbox(Some(p.sandbox));
+                // Live now, so counted as live: the reservation is done.
+                Ok((session, None))
+            }
+            None => Ok((session, slot)),
         }
-        Ok(session)
     }
 }
 

@@ -2,6 +2,7 @@
 //! mode's `execute` and `search`) and the MCP session's memory of its codebroker session;
 //! the file tools' work is in `files.rs`.
 
+use crate::core::Admitted;
 use crate::core::{Broker, Error, ExecHooks, ExecInput, SessionChoice};
 use crate::http::auth::Caller;
 use crate::http::AppState;
@@ -321,20 +322,21 @@ impl CodeTools {
     /// The codebroker session `open` gives for the one to continue (`explicit`, else this
     /// MCP session's), remembered as this MCP session's from then on. The memory stays
     /// locked meanwhile, so concurrent first calls share one session.
-    pub(super) async fn remembering<F, Fut>(
+    pub(super) async fn remembering<F, Fut, T>(
         &self,
         explicit: Option<String>,
         open: F,
-    ) -> Result<Arc<Session>, Error>
+    ) -> Result<T, Error>
     where
         F: FnOnce(Option<String>) -> Fut,
-        Fut: std::future::Future<Output = Result<Arc<Session>, Error>>,
+        Fut: std::future::Future<Output = Result<T, Error>>,
+        T: AsRef<Session>,
     {
         let mut remembered = self.session.lock().await;
         let wanted = explicit.or_else(|| remembered.clone());
-        let session = open(wanted).await?;
-        *remembered = Some(session.id().to_string());
-        Ok(session)
+        let opened = open(wanted).await?;
+        *remembered = Some(opened.as_ref().id().to_string());
+        Ok(opened)
     }
 
     /// This MCP session's codebroker session (or `explicit`) for an exec by `caller`,
@@ -343,7 +345,7 @@ impl CodeTools {
         &self,
         caller: &Caller,
         explicit: Option<String>,
-    ) -> Result<Arc<Session>, Error> {
+    ) -> Result<Admitted, Error> {
         let broker = self.broker();
         // An MCP client names no user for the people behind it: LobeChat's rule, so a
         // leaked id of a named user's session starts a new one.
@@ -385,10 +387,10 @@ impl CodeTools {
             },
         };
         let broker = self.broker().clone();
-        let session = self.exec_session(caller, None).await?;
+        let admitted = self.exec_session(caller, None).await?;
         let outcome = self
             .codemode
-            .run(broker, session, lang, &args.code, cancel)
+            .run(broker, admitted, lang, &args.code, cancel)
             .await?;
         let value = outcome.to_json();
         let text = serde_json::to_string_pretty(&value).unwrap_or_else(|_| value.to_string());
@@ -412,7 +414,7 @@ impl CodeTools {
             .parse()
             .map_err(|_| Error::UnsupportedLanguage(args.lang.clone()))?;
         let explicit = session_arg(args.session_id.as_deref())?;
-        let session = self.exec_session(caller, explicit).await?;
+        let admitted = self.exec_session(caller, explicit).await?;
         let input = ExecInput {
             lang,
             code: args.code,
@@ -425,7 +427,7 @@ impl CodeTools {
             cancel: Some(cancel),
             ..ExecHooks::default()
         };
-        let run = self.broker().spawn_exec(session, input, hooks);
+        let run = self.broker().spawn_exec(admitted, input, hooks);
         let session = run.session.clone();
         let output = run.await?;
         Ok(mcp_exec_result(&session, &output, self.public_url()).await)

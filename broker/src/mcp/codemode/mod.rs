@@ -29,8 +29,8 @@ use self::search::rank;
 use self::upstream::{parse_server, UpstreamSlot};
 use self::wrap::{wrap_js, wrap_py, wrap_ts};
 use crate::config::CodeModeConfig;
+use crate::core::Admitted;
 use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge};
-use crate::session::Session;
 use crate::sync::LockExt as _;
 use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
 use serde_json::{json, Value};
@@ -348,11 +348,12 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         }
     }
 
-    /// Runs `code` in `session` with the code mode functions; waits for the end.
+    /// Runs `code` in the admitted session with the code mode functions; waits for the
+    /// end.
     pub(crate) async fn run(
         self: &Arc<Self>,
         broker: Arc<Broker>,
-        session: Arc<Session>,
+        admitted: Admitted,
         lang: Language,
         code: &str,
         cancel: CancellationToken,
@@ -462,7 +463,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             cancel: Some(cancel),
         };
         // A task of its own: the session's turn is released even if the caller goes away.
-        let output = broker.spawn_exec(session, input, hooks).await?;
+        let output = broker.spawn_exec(admitted, input, hooks).await?;
         server.abort();
         // The exec is over and its sender gone: the collector ends at once.
         let chunks = collector
