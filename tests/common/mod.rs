@@ -41,6 +41,9 @@ pub struct TestBroker {
     server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// Leave containers behind on drop (a test that restarts the broker on them).
     pub keep_containers: bool,
+    /// It runs a pool: a refill may be creating a container when the test ends, after
+    /// the drop's first removal, so the drop removes until none is left.
+    pooled: bool,
 }
 
 /// A fresh instance name, unique across test processes.
@@ -95,6 +98,7 @@ impl TestBroker {
     pub async fn serve_with_client(config: Config, client: reqwest::Client) -> TestBroker {
         let instance = config.sandbox.instance.clone();
         let data = config.data_dir.clone();
+        let pooled = config.pool.pool_size > 0;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -113,6 +117,7 @@ impl TestBroker {
             stop: Some(stop),
             server: Some(server),
             keep_containers: false,
+            pooled,
         }
     }
 
@@ -209,6 +214,22 @@ impl Drop for TestBroker {
         }
         if !self.keep_containers {
             remove_containers_of(&self.instance);
+            if self.pooled {
+                // A create the engine had already received completes after the removal
+                // above (the runtime that would wait for it is ending): remove until two
+                // looks a moment apart find nothing.
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                let mut empty_looks = 0;
+                while empty_looks < 2 && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(300));
+                    if docker::containers_of(&self.instance).is_empty() {
+                        empty_looks += 1;
+                    } else {
+                        empty_looks = 0;
+                        remove_containers_of(&self.instance);
+                    }
+                }
+            }
         }
     }
 }

@@ -18,7 +18,8 @@ mod surface;
 
 pub(crate) use error::{Error, Result};
 pub(crate) use exec::{
-    Admitted, Delivery, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile, ToolBridge, Verdict,
+    Admitted, Delivery, Display, ExecEvent, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile,
+    OutputStream, ToolBridge, Verdict,
 };
 pub(crate) use sessions::SessionChoice;
 pub(crate) use surface::Refusal;

@@ -12,6 +12,7 @@ pub(crate) mod openapi;
 pub(crate) mod playground;
 pub(crate) mod programmatic;
 pub(crate) mod server;
+pub(crate) mod stream;
 
 use crate::config::AuthMode;
 use crate::core::Broker;

@@ -147,7 +147,7 @@ impl RunnerChannel {
     where
         R: Request,
     {
-        self.request_as(self.new_job(), request, |_| None, None)
+        self.request_as(self.new_job(), request, |_| None::<WorkerMessage>, None)
             .await
     }
 
@@ -162,12 +162,12 @@ impl RunnerChannel {
     /// Messages on the way (output chunks, tool calls, displays) are handed to `on_event`;
     /// what it gives back goes on to `sink`. While the sink is full, the job's next
     /// messages wait in the runner (see the module doc).
-    pub(crate) async fn request_as<R>(
+    pub(crate) async fn request_as<R, E>(
         &self,
         job: JobId,
         request: R,
-        mut on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
-        sink: Option<&mpsc::Sender<WorkerMessage>>,
+        mut on_event: impl FnMut(WorkerMessage) -> Option<E>,
+        sink: Option<&mpsc::Sender<E>>,
     ) -> Result<R::Response, ChannelError>
     where
         R: Request,
@@ -446,7 +446,12 @@ mod tests {
             .send(Ok(AttachOutput::Stdout(b.to_string().into())))
             .unwrap();
         let hello = chan
-            .request_as(job, HelloRequest::default(), |_| None, None)
+            .request_as(
+                job,
+                HelloRequest::default(),
+                |_| None::<WorkerMessage>,
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(hello.runner_version, "t");
@@ -466,7 +471,12 @@ mod tests {
         );
         out_tx.send(Ok(AttachOutput::Stdout(frame.into()))).unwrap();
         let err = chan
-            .request_as(job, HelloRequest::default(), |_| None, None)
+            .request_as(
+                job,
+                HelloRequest::default(),
+                |_| None::<WorkerMessage>,
+                None,
+            )
             .await
             .unwrap_err();
         assert!(

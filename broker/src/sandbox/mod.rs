@@ -111,13 +111,14 @@ impl Sandbox {
         self.channel.new_job()
     }
 
-    /// Runs one exec to its end.
-    pub(crate) async fn exec_as(
+    /// Runs one exec to its end; `on_event` turns each streamed message into what `sink`
+    /// receives.
+    pub(crate) async fn exec_as<E>(
         &self,
         job: JobId,
         request: ExecRequest,
-        on_event: impl FnMut(WorkerMessage) -> Option<WorkerMessage>,
-        sink: Option<&tokio::sync::mpsc::Sender<WorkerMessage>>,
+        on_event: impl FnMut(WorkerMessage) -> Option<E>,
+        sink: Option<&tokio::sync::mpsc::Sender<E>>,
     ) -> Result<ExecResponse, ChannelError> {
         let response = self
             .channel

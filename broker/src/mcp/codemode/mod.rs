@@ -31,8 +31,9 @@ use self::wrap::{wrap_js, wrap_py, wrap_ts};
 use crate::config::CodeModeConfig;
 use crate::core::Admitted;
 use crate::core::{Broker, Error, ExecHooks, ExecInput, ToolBridge};
+use crate::core::{ExecEvent, OutputStream};
 use crate::sync::LockExt as _;
-use sandbox_runner::{Language, Stream, ToolCall, ToolResult, ToolSpec, WorkerMessage};
+use sandbox_runner::{Language, ToolCall, ToolResult, ToolSpec};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -373,14 +374,14 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
         let (calls_tx, mut calls_rx) = mpsc::unbounded_channel::<ToolCall>();
         // Bounded: a call's result waits for room before its call gives up its turn.
         let (results_tx, results_rx) = mpsc::channel::<ToolResult>(MAX_CALLS_IN_FLIGHT);
-        let (events_tx, mut events_rx) = mpsc::channel::<WorkerMessage>(EVENT_QUEUE);
+        let (events_tx, mut events_rx) = mpsc::channel::<ExecEvent>(EVENT_QUEUE);
         // Output is kept as it comes (the runner caps it); displays have no place in the
         // answer and are dropped here, never queued until the end.
         let collector = tokio::spawn(async move {
             let mut chunks = Vec::new();
             while let Some(event) = events_rx.recv().await {
-                if let WorkerMessage::Output(chunk) = event {
-                    chunks.push(chunk);
+                if let ExecEvent::Output { stream, text } = event {
+                    chunks.push((stream, text));
                 }
             }
             chunks
@@ -493,15 +494,15 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
 
 /// The lines the code printed, in the order they were completed; stdout and stderr each
 /// keep their own partial line.
-fn log_lines(chunks: &[sandbox_runner::OutputChunk]) -> Vec<String> {
+fn log_lines(chunks: &[(OutputStream, String)]) -> Vec<String> {
     let mut lines = Vec::new();
     let (mut out, mut err) = (String::new(), String::new());
-    for chunk in chunks {
-        let partial = match chunk.stream {
-            Stream::Stdout => &mut out,
-            Stream::Stderr => &mut err,
+    for (stream, text) in chunks {
+        let partial = match stream {
+            OutputStream::Stdout => &mut out,
+            OutputStream::Stderr => &mut err,
         };
-        partial.push_str(&chunk.data);
+        partial.push_str(text);
         while let Some(i) = partial.find('\n') {
             let line: String = partial.drain(..=i).collect();
             lines.push(line.trim_end_matches(['\n', '\r']).to_string());
