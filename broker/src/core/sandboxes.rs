@@ -7,7 +7,7 @@ use crate::core::error::{Error, Result};
 use crate::core::limits::ContainerSlot;
 use crate::core::{state, Broker};
 use crate::ids::is_valid_id;
-use crate::sandbox::{docker::short, CpuWeight, Sandbox, SandboxUnavailable, Warmup};
+use crate::sandbox::{short, CpuWeight, Sandbox, SandboxUnavailable, Warmup};
 use crate::session::evict::{self, Reason};
 use crate::session::pool::Pooled;
 use crate::session::registry::META_FILE;

@@ -9,7 +9,7 @@
 //! (`crate::workspace`), or, with `CODEBROKER_FILE_TRANSFER=runner`, through the runner
 //! (`super::runner_files`), the path a remote backend takes.
 
-use super::{runner_files, CpuWeight, DockerBackend, OwnContainer, Sandbox, Warmup};
+use super::{runner_files, CpuWeight, DockerBackend, Listed, Sandbox, Warmup};
 use crate::config::FileTransfer;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
 use std::io;
@@ -68,7 +68,7 @@ pub(crate) trait SandboxBackend: Send + Sync {
     async fn remove(&self, sandbox_id: &str);
 
     /// Every sandbox of this broker instance.
-    async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>>;
+    async fn list_own(&self) -> anyhow::Result<Vec<Listed>>;
 
     /// Whether the engine answers.
     async fn ping(&self) -> bool;
@@ -169,7 +169,7 @@ impl SandboxBackend for DockerBackend {
         DockerBackend::remove(self, sandbox_id).await
     }
 
-    async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+    async fn list_own(&self) -> anyhow::Result<Vec<Listed>> {
         DockerBackend::list_own(self).await
     }
 

@@ -13,7 +13,7 @@ pub(crate) mod uids;
 
 pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
-pub(crate) use docker::{DockerBackend, OwnContainer};
+pub(crate) use docker::DockerBackend;
 pub(crate) use kubernetes::KubernetesBackend;
 
 use sandbox_runner::{ExecRequest, ExecResponse, JobId, ToolResult, WorkerMessage};
@@ -191,4 +191,44 @@ impl Sandbox {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
+}
+
+/// A sandbox of ours found on the engine (a container, or a pod).
+#[derive(Debug, Clone)]
+pub(crate) struct Listed {
+    /// The backend's id: a Docker container id, or a pod name.
+    pub(crate) id: String,
+    /// The session label, if it has one.
+    pub(crate) session: Option<String>,
+    /// Whether it is running (only running ones can be re-attached).
+    pub(crate) running: bool,
+}
+
+/// Where the workspace appears inside every sandbox.
+pub(crate) const WORKDIR: &str = "/mnt/data";
+
+/// How long a runner may hear nothing from a broker before it exits: the idle TTL, at
+/// least [`MIN_UNATTENDED`] (a TTL of 0 removes idle containers at once; heartbeats still
+/// come). The floor is four heartbeats at the slowest rate any broker beats, so a container
+/// re-attached by a broker with another TTL is never left to time out between beats.
+pub(crate) fn unattended_exit_ms(idle_ttl_secs: u64) -> u64 {
+    idle_ttl_secs
+        .saturating_mul(1000)
+        .max(MIN_UNATTENDED.as_millis() as u64)
+}
+
+/// The shortest unattended limit a runner is given.
+const MIN_UNATTENDED: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// How often the broker tells each runner it is there: four times within the runner's
+/// unattended limit, and at least every 5 s, so a broker restarted with a longer TTL still
+/// beats often enough for the containers it re-attaches to.
+pub(crate) fn heartbeat_every(idle_ttl_secs: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(unattended_exit_ms(idle_ttl_secs) / 4)
+        .min(std::time::Duration::from_secs(5))
+}
+
+/// The first 12 characters of a container id, as `docker ps` shows it.
+pub(crate) fn short(id: &str) -> String {
+    id.chars().take(12).collect()
 }

@@ -182,7 +182,7 @@ impl HarvestSource for RunnerFiles<'_> {
         }
         if refused > 0 {
             tracing::warn!(
-                container = %super::docker::short(&self.sandbox.container_id),
+                container = %super::short(&self.sandbox.container_id),
                 refused,
                 "the runner listed names no listing holds; left out"
             );

@@ -338,7 +338,7 @@ impl Pool {
             }
             let dead = std::mem::take(&mut *self.discarded.locked());
             for pooled in dead {
-                tracing::debug!(container = %crate::sandbox::docker::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
+                tracing::debug!(container = %crate::sandbox::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
                 remove(&*docker, pooled).await;
             }
             let target = self.target();
@@ -484,7 +484,7 @@ impl Pool {
         let asked =
             tokio::time::timeout(PRELOAD_ASK_TIMEOUT, sandbox.preload(self.preload.names())).await;
         if !matches!(asked, Ok(Ok(_))) {
-            tracing::debug!(container = %crate::sandbox::docker::short(id), "cannot ask a pooled sandbox to preload");
+            tracing::debug!(container = %crate::sandbox::short(id), "cannot ask a pooled sandbox to preload");
         }
     }
 

@@ -6,7 +6,7 @@ use super::{Admitted, Delivery, ExecHooks, ExecInput, ExecOutput};
 use crate::core::error::Result;
 use crate::core::files::PlacedInput;
 use crate::core::Broker;
-use crate::sandbox::{docker::short, ChannelError, Sandbox};
+use crate::sandbox::{short, ChannelError, Sandbox};
 use crate::session::Session;
 use sandbox_runner::{
     DisplayBudget, ExecRequest, ExecResponse, JobId, Language, Limit, RuntimeStatus, ToolResult,

@@ -28,7 +28,7 @@
 
 use super::pod_spec::{new_pod_name, sandbox_labels};
 use super::pod_state::{pod_state, PodState};
-use super::{KubernetesBackend, OwnContainer, POLL_EVERY};
+use super::{KubernetesBackend, Listed, POLL_EVERY};
 use crate::config::SandboxProfile;
 use crate::sandbox::backend::SandboxUnavailable;
 use crate::sandbox::{labels, RunnerChannel};
@@ -377,7 +377,7 @@ impl KubernetesBackend {
     }
 
     /// This instance's claims: bound ones count as running (adopting one checks its pod).
-    pub(crate) async fn list_own_claims(&self) -> anyhow::Result<Vec<OwnContainer>> {
+    pub(crate) async fn list_own_claims(&self) -> anyhow::Result<Vec<Listed>> {
         let claims = self.claims()?;
         let selector = format!("{}={}", labels::INSTANCE, self.profile.instance);
         let list = claims

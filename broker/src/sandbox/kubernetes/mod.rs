@@ -19,8 +19,8 @@ pub(super) mod tests;
 
 use super::backend::{EngineObserver, SandboxFiles, SandboxUnavailable};
 use super::channel::AttachOutput;
-use super::docker::heartbeat_every;
-use super::{labels, runner_files, CpuWeight, OwnContainer, RunnerChannel, Sandbox, Warmup};
+use super::heartbeat_every;
+use super::{labels, runner_files, CpuWeight, Listed, RunnerChannel, Sandbox, Warmup};
 use crate::config::{Config, KubernetesMode, SandboxProfile, SeccompChoice};
 use crate::sync::LockExt as _;
 use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
@@ -64,13 +64,13 @@ const PING_TIMEOUT: Duration = Duration::from_secs(5);
 fn own_sandbox(
     metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     running: bool,
-) -> Option<OwnContainer> {
+) -> Option<Listed> {
     let session = metadata
         .labels
         .as_ref()
         .and_then(|l| l.get(labels::SESSION))
         .and_then(|v| session_of_label(v));
-    Some(OwnContainer {
+    Some(Listed {
         id: metadata.name?,
         session,
         running,
@@ -518,7 +518,7 @@ impl super::SandboxBackend for KubernetesBackend {
 
     /// This instance's pods, or in agent-sandbox mode its claims: never a warm pool's
     /// pods, which are the controller's.
-    async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+    async fn list_own(&self) -> anyhow::Result<Vec<Listed>> {
         if self.claims.is_some() {
             return self.list_own_claims().await;
         }

@@ -3,8 +3,8 @@
 //! Pure: the spec is built from the settings alone, so the tests read exactly what the
 //! API server is sent.
 
-use super::super::docker::{unattended_exit_ms, WORKDIR};
 use super::super::labels;
+use super::super::{unattended_exit_ms, WORKDIR};
 use crate::config::SandboxProfile;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EmptyDirVolumeSource, EnvVar, Pod, PodSecurityContext, PodSpec,

@@ -4,7 +4,10 @@
 use super::backend::{EngineObserver, SandboxUnavailable};
 use super::channel::AttachOutput;
 use super::uids::SandboxUidPool;
-use super::{labels, CpuWeight, RunnerChannel, Sandbox, Warmup};
+use super::{
+    heartbeat_every, labels, short, unattended_exit_ms, CpuWeight, Listed, RunnerChannel, Sandbox,
+    Warmup, WORKDIR,
+};
 use crate::config::{SandboxProfile, SandboxUids, SeccompChoice};
 use crate::workspace::Workspace;
 use anyhow::{anyhow, Context};
@@ -24,20 +27,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod profile;
+
+use profile::seccomp_option;
+#[cfg(test)]
+pub(crate) use profile::BUILTIN_SECCOMP;
+
 /// The CPU weight (cgroup `cpu.shares`) of a pooled container while it preloads: the
 /// lowest there is, so that it only takes CPU no other container wants.
 const LOW_CPU_SHARES: i64 = 2;
 
 /// The CPU weight of every other container (the engine's default).
 const USUAL_CPU_SHARES: i64 = 1024;
-
-/// Where the workspace appears inside every sandbox.
-pub(crate) const WORKDIR: &str = "/mnt/data";
-
-/// The sandboxes' syscall filter unless CODEBROKER_SECCOMP names another: Docker's
-/// default profile for a container without capabilities, less io_uring and every socket
-/// family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (each rule says why).
-pub(crate) const BUILTIN_SECCOMP: &str = include_str!("seccomp.json");
 
 /// How long a new runner may take to answer its first hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
@@ -58,17 +59,6 @@ const FALLBACK_PASSWD: &str = "root:x:0:0:root:/root:/usr/sbin/nologin\n\
 
 /// The groups a sandbox has when the image's own cannot be read.
 const FALLBACK_GROUP: &str = "root:x:0:\nnogroup:x:65534:\n";
-
-/// A sandbox of ours found on the engine (a container, or a pod).
-#[derive(Debug, Clone)]
-pub(crate) struct OwnContainer {
-    /// The backend's id: a Docker container id, or a pod name.
-    pub(crate) id: String,
-    /// The session label, if it has one.
-    pub(crate) session: Option<String>,
-    /// Whether it is running (only running ones can be re-attached).
-    pub(crate) running: bool,
-}
 
 /// Creates, attaches to, and removes sandbox containers.
 pub(crate) struct DockerBackend {
@@ -222,122 +212,6 @@ impl DockerBackend {
     /// Whether the sandbox image is present.
     pub(crate) async fn image_present(&self) -> bool {
         self.docker.inspect_image(&self.profile.image).await.is_ok()
-    }
-
-    /// What `docker create` gets for a session's sandbox: the lockdown SECURITY.md describes ("Layers").
-    fn container_body(
-        &self,
-        session_id: &str,
-        workspace: &Workspace,
-        uid: u32,
-    ) -> ContainerCreateBody {
-        let c = &self.profile;
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
-        let labels = HashMap::from([
-            (labels::INSTANCE.to_string(), c.instance.clone()),
-            (labels::SESSION.to_string(), session_id.to_string()),
-            (labels::CREATED.to_string(), created.to_string()),
-            (labels::UID.to_string(), uid.to_string()),
-        ]);
-        // Bounded at parse (at most 1 TiB), so this cannot overflow.
-        let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
-        let tmpfs = HashMap::from([
-            (
-                "/tmp".to_string(),
-                format!(
-                    "rw,exec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.tmp_mb,
-                    scratch_inodes(c.tmp_mb)
-                ),
-            ),
-            (
-                "/dev/shm".to_string(),
-                format!(
-                    "rw,noexec,nosuid,nodev,size={}m,nr_inodes={},mode=1777",
-                    c.shm_mb,
-                    scratch_inodes(c.shm_mb)
-                ),
-            ),
-        ]);
-        let ulimit = |name: &str, value: i64| ResourcesUlimits {
-            name: Some(name.to_string()),
-            soft: Some(value),
-            hard: Some(value),
-        };
-        let host_config = HostConfig {
-            binds: Some(vec![
-                format!("{}:{WORKDIR}:rw", workspace.files_dir().display()),
-                format!("{}:/etc/passwd:ro", workspace.sandbox_passwd().display()),
-                format!("{}:/etc/group:ro", workspace.sandbox_group().display()),
-            ]),
-            network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
-            cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
-            // Whatever the capabilities: setuid binaries and file capabilities in the
-            // image or the workspace never raise privileges.
-            security_opt: Some(
-                std::iter::once("no-new-privileges".to_string())
-                    .chain(self.seccomp.iter().map(|json| format!("seccomp={json}")))
-                    .collect(),
-            ),
-            // Its own cgroup namespace: on cgroup v1 hosts the sandbox would otherwise
-            // read the host's cgroup paths in /proc/self/cgroup.
-            cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
-            readonly_rootfs: Some(c.readonly_rootfs),
-            tmpfs: Some(tmpfs),
-            pids_limit: Some(c.pids_limit),
-            memory: Some(memory),
-            memory_swap: Some(memory),
-            nano_cpus: Some((c.cpus * 1e9) as i64),
-            ulimits: Some(vec![
-                ulimit("nofile", c.nofile),
-                ulimit("fsize", fsize_bytes(c)),
-            ]),
-            ipc_mode: Some("private".to_string()),
-            log_config: Some(HostConfigLogConfig {
-                typ: Some("none".to_string()),
-                config: None,
-            }),
-            init: Some(false),
-            runtime: Some(c.runtime.trim())
-                .filter(|r| !r.is_empty())
-                .map(str::to_string),
-            ..Default::default()
-        };
-        ContainerCreateBody {
-            image: Some(c.image.clone()),
-            user: Some(format!("{uid}:{uid}")),
-            working_dir: Some(WORKDIR.to_string()),
-            env: Some(vec![
-                format!("HOME={WORKDIR}"),
-                // The uid has no entry in the image's /etc/passwd: the name is what
-                // programs that ask (Python's getpass) read instead.
-                "USER=sandbox".to_string(),
-                "LOGNAME=sandbox".to_string(),
-                // The runner watches the workspace against these during each exec.
-                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
-                format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
-                // A kept container whose broker never comes back ends itself after the
-                // idle TTL, as the reaper would have removed it.
-                format!(
-                    "{}={}",
-                    sandbox_runner::UNATTENDED_EXIT_ENV,
-                    unattended_exit_ms(self.idle_ttl_secs)
-                ),
-            ]),
-            open_stdin: Some(true),
-            stdin_once: Some(false),
-            attach_stdin: Some(true),
-            attach_stdout: Some(true),
-            attach_stderr: Some(true),
-            tty: Some(false),
-            network_disabled: Some(c.network_none),
-            labels: Some(labels),
-            host_config: Some(host_config),
-            ..Default::default()
-        }
     }
 
     /// Creates and starts a sandbox for `session_id` on `workspace`, attached before it
@@ -607,7 +481,7 @@ impl DockerBackend {
     }
 
     /// Every container carrying this instance's label.
-    pub(crate) async fn list_own(&self) -> anyhow::Result<Vec<OwnContainer>> {
+    pub(crate) async fn list_own(&self) -> anyhow::Result<Vec<Listed>> {
         let filters = HashMap::from([(
             "label".to_string(),
             vec![format!("{}={}", labels::INSTANCE, self.profile.instance)],
@@ -641,7 +515,7 @@ impl DockerBackend {
                     self.uids.hold(&id, uid);
                 }
                 let running = c.state.map(|s| s.to_string() == "running").unwrap_or(false);
-                Some(OwnContainer {
+                Some(Listed {
                     id,
                     session,
                     running,
@@ -703,70 +577,6 @@ impl DockerBackend {
 /// limit at once).
 fn stopped_failing(state: &bollard::models::ContainerState) -> bool {
     state.running != Some(true) && state.exit_code.is_some_and(|code| code != 0)
-}
-
-/// The `seccomp=` option for CODEBROKER_SECCOMP: the built-in profile, a file's (read and
-/// checked to be JSON now, so a broken file stops the start rather than every sandbox),
-/// or none for the daemon's default.
-fn seccomp_option(choice: &SeccompChoice) -> anyhow::Result<Option<String>> {
-    let text = match choice {
-        SeccompChoice::Daemon => return Ok(None),
-        SeccompChoice::Builtin => BUILTIN_SECCOMP.to_string(),
-        SeccompChoice::File(path) => std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the seccomp profile {}", path.display()))?,
-    };
-    // Sent compact: the profile travels in the create request of every sandbox.
-    let profile: serde_json::Value =
-        serde_json::from_str(&text).context("the seccomp profile is not JSON")?;
-    if !profile.is_object() || profile.get("defaultAction").is_none() {
-        anyhow::bail!("the seccomp profile has no defaultAction");
-    }
-    Ok(Some(profile.to_string()))
-}
-
-/// Inodes of a scratch tmpfs of `mb` MiB: 64 per MiB (at least 4096). Without a cap a
-/// tmpfs allows about one inode per two pages of host RAM, and a million empty files cost
-/// the host kernel memory the size limit does not see.
-fn scratch_inodes(mb: u64) -> u64 {
-    mb.saturating_mul(64).max(4096)
-}
-
-/// The `fsize` ulimit: CODEBROKER_FSIZE_MB, and never over the workspace quota, so that a
-/// single file cannot outgrow the quota between two of the runner's measurements.
-fn fsize_bytes(c: &SandboxProfile) -> i64 {
-    let fsize = u64::try_from(c.fsize_mb)
-        .unwrap_or(0)
-        .saturating_mul(1024 * 1024);
-    let bytes = match c.workspace_quota {
-        0 => fsize,
-        quota => fsize.min(quota),
-    };
-    i64::try_from(bytes).unwrap_or(i64::MAX)
-}
-
-/// How long a runner may hear nothing from a broker before it exits: the idle TTL, at
-/// least [`MIN_UNATTENDED`] (a TTL of 0 removes idle containers at once; heartbeats still
-/// come). The floor is four heartbeats at the slowest rate any broker beats, so a container
-/// re-attached by a broker with another TTL is never left to time out between beats.
-pub(super) fn unattended_exit_ms(idle_ttl_secs: u64) -> u64 {
-    idle_ttl_secs
-        .saturating_mul(1000)
-        .max(MIN_UNATTENDED.as_millis() as u64)
-}
-
-/// The shortest unattended limit a runner is given.
-const MIN_UNATTENDED: Duration = Duration::from_secs(20);
-
-/// How often the broker tells each runner it is there: four times within the runner's
-/// unattended limit, and at least every 5 s, so a broker restarted with a longer TTL still
-/// beats often enough for the containers it re-attaches to.
-pub(super) fn heartbeat_every(idle_ttl_secs: u64) -> Duration {
-    Duration::from_millis(unattended_exit_ms(idle_ttl_secs) / 4).min(Duration::from_secs(5))
-}
-
-/// The first 12 characters of a container id, as `docker ps` shows it.
-pub(crate) fn short(id: &str) -> String {
-    id.chars().take(12).collect()
 }
 
 #[cfg(test)]
