@@ -11,6 +11,7 @@ pub(crate) mod exec;
 pub(crate) mod files;
 pub(crate) mod limits;
 pub(crate) mod observe;
+pub(crate) mod programmatic;
 mod sandboxes;
 pub(crate) mod sessions;
 mod state;
@@ -49,6 +50,8 @@ pub struct Broker {
     metrics: Arc<crate::metrics::Metrics>,
     /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
     audit: crate::audit::Audit,
+    /// Programmatic runs parked between their clients' requests.
+    programmatic: Arc<programmatic::ParkedRuns>,
 }
 
 impl Broker {
@@ -72,6 +75,7 @@ impl Broker {
             backend,
             config,
             libraries: tokio::sync::OnceCell::new(),
+            programmatic: Arc::default(),
         }
     }
 

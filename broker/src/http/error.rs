@@ -63,10 +63,6 @@ impl AppError {
         AppError::Core(Error::NotFound(message))
     }
 
-    pub(crate) fn conflict(message: String) -> AppError {
-        AppError::Core(Error::Conflict(message))
-    }
-
     pub(crate) fn too_large(message: String) -> AppError {
         AppError::Core(Error::TooLarge(message))
     }

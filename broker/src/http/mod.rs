@@ -32,8 +32,6 @@ use std::sync::Arc;
 pub(crate) struct AppState {
     /// The core.
     pub(crate) broker: Arc<Broker>,
-    /// Programmatic runs waiting for their clients' tool results.
-    pub(crate) runs: Arc<programmatic::Runs>,
     /// Cancelled when the server stops: ends open MCP streams, which would otherwise hold
     /// up the graceful shutdown.
     pub(crate) shutdown: tokio_util::sync::CancellationToken,
@@ -58,7 +56,6 @@ impl AppState {
             preauth_budget,
             auth_failures: Arc::default(),
             health: Arc::default(),
-            runs: Arc::default(),
             shutdown: tokio_util::sync::CancellationToken::new(),
             jwt: Arc::new(jwt),
         }
