@@ -29,8 +29,7 @@ pub use crate::core::capacity::{read_meminfo, sandboxes_that_fit};
 pub use crate::core::{Broker, ResolvedCaps};
 pub use mcp::codemode;
 
-use crate::config::{BackendKind, Config, FileTransfer};
-use crate::sandbox::{DockerBackend, KubernetesBackend, SandboxBackend};
+use crate::config::{BackendKind, Config};
 use anyhow::Context;
 use std::future::Future;
 use std::sync::Arc;
@@ -54,15 +53,6 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         );
     }
     let mut config = config;
-    if config.backend == BackendKind::Kubernetes
-        && config.sandbox.file_transfer != FileTransfer::Runner
-    {
-        tracing::info!(
-            "CODEBROKER_BACKEND=kubernetes: files move through the runner \
-             (CODEBROKER_FILE_TRANSFER=runner); the broker cannot see a pod's disk"
-        );
-        config.sandbox.file_transfer = FileTransfer::Runner;
-    }
     // Only the broker reads its data: sessions/ and staging/ are 0700 from the start.
     for dir in ["sessions", "staging"] {
         let dir = config.data_dir.join(dir);
@@ -80,27 +70,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", config.data_dir.display()))?;
     let config = Arc::new(config);
-    let backend: Arc<dyn SandboxBackend> = match config.backend {
-        BackendKind::Docker => {
-            let docker =
-                DockerBackend::connect(config.sandbox.clone(), config.lifecycle.idle_ttl_secs)
-                    .await?;
-            if !docker.image_present().await {
-                tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
-            }
-            Arc::new(docker)
-        }
-        BackendKind::Kubernetes => {
-            if config.caps.max_containers == config::ContainerCap::Auto {
-                tracing::warn!(
-                    sandboxes = config::AUTO_CONTAINERS_MIN,
-                    "CODEBROKER_MAX_CONTAINERS=auto cannot see the cluster's nodes and allows \
-                     its minimum; set the number of sandbox pods the cluster holds"
-                );
-            }
-            Arc::new(KubernetesBackend::connect(&config).await?)
-        }
-    };
+    let backend = Arc::new(sandbox::connect(&config).await?);
     let broker = Arc::new(Broker::new(config, backend));
     broker
         .reconcile()

@@ -564,7 +564,7 @@ impl Broker {
     /// uid (SECURITY.md). Through the runner, or as the sandbox uid, code can change its
     /// copy, so such a copy is placed again at every exec that names it.
     fn read_only_stays_as_placed(&self) -> bool {
-        self.config.sandbox.file_transfer == crate::config::FileTransfer::Host
+        self.backend.files_on_host()
             && self.config.sandbox.sandbox_uids()
                 != crate::config::SandboxUids::Shared(crate::workspace::euid())
     }

@@ -37,7 +37,7 @@ pub struct Broker {
     /// Every setting.
     config: Arc<Config>,
     /// Where sandboxes run, and how files reach them.
-    backend: Arc<dyn SandboxBackend>,
+    backend: Arc<SandboxBackend>,
     /// All sessions.
     registry: Registry,
     /// Started sandboxes waiting for new sessions.
@@ -55,9 +55,9 @@ pub struct Broker {
 }
 
 impl Broker {
-    pub(crate) fn new(config: Arc<Config>, backend: Arc<dyn SandboxBackend>) -> Broker {
+    pub(crate) fn new(config: Arc<Config>, backend: Arc<SandboxBackend>) -> Broker {
         let metrics = Arc::new(crate::metrics::Metrics::new());
-        backend.observe(metrics.clone());
+        backend.engine().observe(metrics.clone());
         Broker {
             registry: Registry::new(
                 &config.data_dir,
@@ -68,7 +68,7 @@ impl Broker {
                 &config.caps,
                 config.sandbox.memory_mb,
                 config.longest_exec_ms(),
-                backend.host_memory(),
+                backend.engine().host_memory(),
             ),
             metrics,
             audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
@@ -85,6 +85,7 @@ impl Broker {
             .get_or_try_init(|| async {
                 let bytes = self
                     .backend
+                    .engine()
                     .read_image_file("/opt/codebroker/libraries.json")
                     .await?;
                 anyhow::Ok(serde_json::from_slice(&bytes)?)

@@ -214,7 +214,7 @@ pub(crate) fn observe_files(
 }
 
 /// The engine's failed calls are counted on `/metrics`.
-impl crate::sandbox::backend::EngineObserver for crate::metrics::Metrics {
+impl crate::sandbox::engine::EngineObserver for crate::metrics::Metrics {
     fn api_error(&self, op: &str) {
         self.docker_error(op);
     }

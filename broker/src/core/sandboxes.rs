@@ -59,6 +59,7 @@ impl Broker {
         let cold = self.pool.cold_start();
         let created = self
             .backend
+            .engine()
             .create(session.id(), &session.workspace, Warmup::Nothing)
             .await;
         drop(cold);
@@ -148,7 +149,7 @@ impl Broker {
         }
         let backend = self.backend.clone();
         let id = pooled.sandbox.container_id.clone();
-        tokio::spawn(async move { backend.set_cpu_weight(&id, CpuWeight::Usual).await });
+        tokio::spawn(async move { backend.engine().set_cpu_weight(&id, CpuWeight::Usual).await });
     }
 
     /// Drops a broken sandbox and removes its container.
@@ -159,7 +160,7 @@ impl Broker {
                 session.set_sandbox(None);
             }
         }
-        self.backend.remove(&sandbox.container_id).await;
+        self.backend.engine().remove(&sandbox.container_id).await;
     }
 
     /// At start-up: re-attach to this instance's running session containers, remove the
@@ -178,7 +179,7 @@ impl Broker {
             .collect();
         let mut adopted = 0;
         let mut removed = 0;
-        for container in self.backend.list_own().await? {
+        for container in self.backend.engine().list_own().await? {
             let session = container
                 .session
                 .as_deref()
@@ -186,7 +187,7 @@ impl Broker {
                 .or_else(|| handed.get(&container.id).cloned());
             match session {
                 Some(session) if container.running && session.sandbox().is_none() => {
-                    match self.backend.adopt(&container.id).await {
+                    match self.backend.engine().adopt(&container.id).await {
                         Ok(sandbox) => {
                             session.set_sandbox(Some(Arc::new(sandbox)));
                             adopted += 1;
@@ -208,7 +209,7 @@ impl Broker {
                     }
                 }
             }
-            self.backend.remove(&container.id).await;
+            self.backend.engine().remove(&container.id).await;
             removed += 1;
         }
         tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
@@ -330,7 +331,7 @@ impl Broker {
             state::save_before_removal(rules, &session, &sandbox).await;
             drop(turn);
             sandbox.close("evicted");
-            backend.remove(&sandbox.container_id).await
+            backend.engine().remove(&sandbox.container_id).await
         });
         true
     }
@@ -393,7 +394,7 @@ impl Broker {
     /// On shutdown: drain the pool; leave session containers for the next start to
     /// re-attach, or remove them (`CODEBROKER_SHUTDOWN_CONTAINERS`).
     pub(crate) async fn shutdown(&self) {
-        self.pool.drain(&*self.backend).await;
+        self.pool.drain(&self.backend).await;
         let remove =
             self.config.lifecycle.shutdown_containers == crate::config::ShutdownContainers::Remove;
         let mut count = 0;
@@ -413,7 +414,7 @@ impl Broker {
                         state::save_before_removal(rules, &session, &sandbox).await;
                     }
                     sandbox.close("shutdown");
-                    self.backend.remove(&sandbox.container_id).await;
+                    self.backend.engine().remove(&sandbox.container_id).await;
                 });
             }
         }
@@ -432,11 +433,11 @@ impl Broker {
     /// 409 while the first is still under way.
     async fn await_no_containers(&self) {
         for round in 0..50 {
-            match self.backend.list_own().await {
+            match self.backend.engine().list_own().await {
                 Ok(left) if left.is_empty() => return,
                 Ok(left) if round % 10 == 9 => {
                     for container in left {
-                        self.backend.remove(&container.id).await;
+                        self.backend.engine().remove(&container.id).await;
                     }
                 }
                 Ok(_) => {}

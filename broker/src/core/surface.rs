@@ -54,7 +54,10 @@ impl Broker {
 
     /// Whether the engine answers, and whether it has the sandbox image.
     pub(crate) async fn engine_status(&self) -> (bool, bool) {
-        tokio::join!(self.backend.ping(), self.backend.image_present())
+        tokio::join!(
+            self.backend.engine().ping(),
+            self.backend.engine().image_present()
+        )
     }
 
     /// Sessions known, with or without a sandbox.

@@ -1,9 +1,10 @@
 //! The sandbox side: one sandbox per session (a Docker container or a Kubernetes pod),
 //! reached over its runner channel.
 
-pub(crate) mod backend;
 pub(crate) mod channel;
 pub(crate) mod docker;
+pub(crate) mod engine;
+pub(crate) mod files;
 pub(crate) mod kubernetes;
 pub(crate) mod runner_files;
 pub(crate) mod runner_state;
@@ -11,12 +12,47 @@ pub(crate) mod runner_state;
 mod seccomp_tests;
 pub(crate) mod uids;
 
-pub(crate) use backend::{SandboxBackend, SandboxFiles, SandboxUnavailable};
 pub(crate) use channel::{ChannelError, RunnerChannel};
 pub(crate) use docker::DockerBackend;
+pub(crate) use engine::{SandboxEngine, SandboxUnavailable};
+pub(crate) use files::{SandboxBackend, SandboxFiles};
 pub(crate) use kubernetes::KubernetesBackend;
 
 use sandbox_runner::{ExecRequest, ExecResponse, JobId, ToolResult, WorkerMessage};
+
+/// Connects to the backend `config` names: its engine, and the transport its files take.
+/// The one place that matches on the backend kind; a new backend is a folder beside
+/// `docker/` and `kubernetes/` with an impl of [`SandboxEngine`], and an arm here.
+pub(crate) async fn connect(config: &crate::config::Config) -> anyhow::Result<SandboxBackend> {
+    let engine: Box<dyn SandboxEngine> = match config.backend {
+        crate::config::BackendKind::Docker => {
+            let docker =
+                DockerBackend::connect(config.sandbox.clone(), config.lifecycle.idle_ttl_secs)
+                    .await?;
+            if !docker.image_present().await {
+                tracing::warn!(image = %config.sandbox.image, "the sandbox image is missing; build it with `make image`");
+            }
+            Box::new(docker)
+        }
+        crate::config::BackendKind::Kubernetes => {
+            if config.caps.max_containers == crate::config::ContainerCap::Auto {
+                tracing::warn!(
+                    sandboxes = crate::config::AUTO_CONTAINERS_MIN,
+                    "CODEBROKER_MAX_CONTAINERS=auto cannot see the cluster's nodes and allows \
+                     its minimum; set the number of sandbox pods the cluster holds"
+                );
+            }
+            if config.sandbox.file_transfer != crate::config::FileTransfer::Runner {
+                tracing::info!(
+                    "CODEBROKER_BACKEND=kubernetes: files move through the runner \
+                     (CODEBROKER_FILE_TRANSFER=runner); the broker cannot see a pod's disk"
+                );
+            }
+            Box::new(KubernetesBackend::connect(config).await?)
+        }
+    };
+    Ok(SandboxBackend::new(engine))
+}
 
 /// Labels every sandbox of ours carries (container or pod); a restarted broker finds its
 /// sandboxes by them.

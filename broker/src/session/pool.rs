@@ -314,7 +314,7 @@ impl Pool {
     /// workspaces go under `data_dir`, owned by `sandbox_uid`.
     pub(crate) async fn run_refiller(
         self: Arc<Self>,
-        docker: Arc<dyn SandboxBackend>,
+        backend: Arc<SandboxBackend>,
         data_dir: Arc<Path>,
         sandbox_uid: u32,
         shutdown: tokio_util::sync::CancellationToken,
@@ -325,7 +325,7 @@ impl Pool {
         if !self.preload.names().is_empty() {
             tokio::spawn(
                 self.clone()
-                    .watch_preloads(docker.clone(), shutdown.child_token()),
+                    .watch_preloads(backend.clone(), shutdown.child_token()),
             );
         }
         loop {
@@ -339,10 +339,10 @@ impl Pool {
             let dead = std::mem::take(&mut *self.discarded.locked());
             for pooled in dead {
                 tracing::debug!(container = %crate::sandbox::short(&pooled.sandbox.container_id), "removing a discarded pooled sandbox");
-                remove(&*docker, pooled).await;
+                remove(&backend, pooled).await;
             }
             let target = self.target();
-            self.shrink_to(target, &*docker).await;
+            self.shrink_to(target, &backend).await;
             let yield_until = tokio::time::Instant::now() + YIELD_TO_COLD_STARTS;
             while self.cold_starts.load(Ordering::SeqCst) > 0
                 && tokio::time::Instant::now() < yield_until
@@ -357,10 +357,10 @@ impl Pool {
             {
                 self.creating.fetch_add(1, Ordering::SeqCst);
                 let pool = self.clone();
-                let docker = docker.clone();
+                let backend = backend.clone();
                 let data_dir = data_dir.clone();
                 tokio::spawn(async move {
-                    match create_pooled(&*docker, &data_dir, sandbox_uid, pool.preload.names())
+                    match create_pooled(&backend, &data_dir, sandbox_uid, pool.preload.names())
                         .await
                     {
                         Ok(pooled) => {
@@ -374,7 +374,7 @@ impl Pool {
                                 }
                             };
                             if let Some(pooled) = late {
-                                remove(&*docker, pooled).await;
+                                remove(&backend, pooled).await;
                             }
                         }
                         Err(err) => {
@@ -410,7 +410,7 @@ impl Pool {
         while self.creating.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
             let _ = tokio::time::timeout(Duration::from_millis(100), self.wake.notified()).await;
         }
-        self.drain(&*docker).await;
+        self.drain(&backend).await;
     }
 
     /// Every [`PRELOAD_POLL`]: asks the ready sandboxes that preload whether they are
@@ -419,7 +419,7 @@ impl Pool {
     /// that takes them needs no engine call for it.
     async fn watch_preloads(
         self: Arc<Self>,
-        docker: Arc<dyn SandboxBackend>,
+        backend: Arc<SandboxBackend>,
         shutdown: tokio_util::sync::CancellationToken,
     ) {
         loop {
@@ -444,7 +444,7 @@ impl Pool {
                     Ok(Ok(hello)) if !hello.preloading => {
                         if state.moved(PreloadState::PRELOADING, PreloadState::DONE) {
                             let id = &sandbox.container_id;
-                            docker.set_cpu_weight(id, CpuWeight::Usual).await;
+                            backend.engine().set_cpu_weight(id, CpuWeight::Usual).await;
                         }
                     }
                     // Still at it, or slow to answer (a dead one is found by the refiller).
@@ -459,7 +459,7 @@ impl Pool {
                     continue; // taken meanwhile, or already preloading
                 }
                 preloading += 1;
-                self.begin_preload(&*docker, sandbox, state).await;
+                self.begin_preload(&backend, sandbox, state).await;
             }
         }
     }
@@ -468,16 +468,16 @@ impl Pool {
     /// taken meanwhile gets the usual weight back and no preload.
     async fn begin_preload(
         &self,
-        docker: &dyn SandboxBackend,
+        backend: &SandboxBackend,
         sandbox: &Sandbox,
         state: &PreloadState,
     ) {
         let id = &sandbox.container_id;
-        let lowered = docker.set_cpu_weight(id, CpuWeight::Low).await;
+        let lowered = backend.engine().set_cpu_weight(id, CpuWeight::Low).await;
         if !state.moved(PreloadState::LOWERING, PreloadState::PRELOADING) {
             // Taken while the weight was being lowered: this sees that it comes back.
             if lowered {
-                docker.set_cpu_weight(id, CpuWeight::Usual).await;
+                backend.engine().set_cpu_weight(id, CpuWeight::Usual).await;
             }
             return;
         }
@@ -490,7 +490,7 @@ impl Pool {
 
     /// Removes every pooled sandbox and its workspace, and those still being started
     /// once they are.
-    pub(crate) async fn drain(&self, docker: &dyn SandboxBackend) {
+    pub(crate) async fn drain(&self, backend: &SandboxBackend) {
         let mut drained: Vec<Pooled> = {
             let mut ready = self.lock();
             self.closed.store(true, Ordering::SeqCst);
@@ -499,7 +499,7 @@ impl Pool {
         // Dead ones not yet removed by the refiller go too.
         drained.append(&mut self.discarded.locked());
         for pooled in drained {
-            remove(docker, pooled).await;
+            remove(backend, pooled).await;
         }
         // Starts under way remove their own sandbox; wait for them (each is bounded by the
         // runner's hello timeout) so a shut-down broker leaves nothing behind.
@@ -510,14 +510,14 @@ impl Pool {
     }
 
     /// Removes the oldest ready sandboxes over `target`, once a burst is forgotten.
-    async fn shrink_to(&self, target: usize, docker: &dyn SandboxBackend) {
+    async fn shrink_to(&self, target: usize, backend: &SandboxBackend) {
         let extra: Vec<Pooled> = {
             let mut ready = self.lock();
             let over = ready.len().saturating_sub(target);
             ready.drain(..over).collect()
         };
         for pooled in extra {
-            remove(docker, pooled).await;
+            remove(backend, pooled).await;
         }
     }
 
@@ -535,14 +535,14 @@ impl Drop for ColdStart {
     }
 }
 
-async fn remove(docker: &dyn SandboxBackend, pooled: Pooled) {
+async fn remove(backend: &SandboxBackend, pooled: Pooled) {
     pooled.sandbox.close("the pool is draining");
-    docker.remove(&pooled.sandbox.container_id).await;
+    backend.engine().remove(&pooled.sandbox.container_id).await;
     let _ = std::fs::remove_dir_all(pooled.workspace.root());
 }
 
 async fn create_pooled(
-    docker: &dyn SandboxBackend,
+    backend: &SandboxBackend,
     data_dir: &Path,
     sandbox_uid: u32,
     preload: &[String],
@@ -551,7 +551,11 @@ async fn create_pooled(
     let workspace = Workspace::new(data_dir, &session_id);
     workspace.create(sandbox_uid)?;
     let preloads = !preload.is_empty();
-    match docker.create(&session_id, &workspace, Warmup::Kernel).await {
+    match backend
+        .engine()
+        .create(&session_id, &workspace, Warmup::Kernel)
+        .await
+    {
         Ok(sandbox) => Ok(Pooled {
             session_id,
             workspace,

@@ -86,7 +86,7 @@ impl Broker {
         let workspace = session.workspace.clone();
         let result = tokio::task::spawn_blocking(move || {
             let mut report = backend.harvest(&at, &mut index, limits)?;
-            let put_back = put_back_read_only(&*backend, &at, &mut index, &mut report.vanished);
+            let put_back = put_back_read_only(&backend, &at, &mut index, &mut report.vanished);
             let saved = if !report.files.is_empty() || report.index_changed {
                 workspace.save_index(&index)
             } else {
@@ -157,7 +157,7 @@ impl Broker {
 /// sandbox's, and this keeps it so when it is, or when files move through the runner).
 /// Those placed back leave `vanished`; returns their names.
 fn put_back_read_only(
-    backend: &dyn SandboxBackend,
+    backend: &SandboxBackend,
     at: &SandboxFiles,
     index: &mut FileIndex,
     vanished: &mut Vec<FileRecord>,

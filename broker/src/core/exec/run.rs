@@ -225,6 +225,7 @@ impl Broker {
         let oom = matches!(err, ChannelError::Closed(_))
             && self
                 .backend
+                .engine()
                 .ended_out_of_memory(&sandbox.container_id, exec_start, sandbox.had_an_oom_kill())
                 .await;
         tracing::warn!(session = session.id(), container = %short(&sandbox.container_id), error = %err, oom, "sandbox failed during an exec");

@@ -1,8 +1,8 @@
 // Over 600 lines: the last quarter is the tests of the lockdown each sandbox gets.
 //! Sandboxes as Docker containers, driven through the Engine API (bollard).
 
-use super::backend::{EngineObserver, SandboxUnavailable};
 use super::channel::AttachOutput;
+use super::engine::{EngineObserver, SandboxUnavailable};
 use super::uids::SandboxUidPool;
 use super::{
     heartbeat_every, labels, short, unattended_exit_ms, CpuWeight, Listed, RunnerChannel, Sandbox,
@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod engine;
 mod profile;
 
 use profile::seccomp_option;

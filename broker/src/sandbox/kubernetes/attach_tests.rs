@@ -3,7 +3,7 @@
 //! stdout) and plays a runner that answers hellos.
 
 use super::*;
-use crate::sandbox::{ChannelError, SandboxBackend};
+use crate::sandbox::{ChannelError, SandboxEngine};
 use futures::SinkExt;
 use sandbox_runner::{CoordinatorMessage, HelloResponse, Multiplexed, WorkerMessage};
 use std::sync::atomic::Ordering;

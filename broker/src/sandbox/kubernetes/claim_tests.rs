@@ -8,8 +8,9 @@ use super::tests::{
     config, mock_api, pending, running, seen, status, unavailable_reason, watched, Reply, NS,
 };
 use super::*;
-use crate::sandbox::SandboxBackend;
+use crate::sandbox::SandboxEngine;
 use serde_json::{json, Value};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const CLAIMS: &str = "/apis/extensions.agents.x-k8s.io/v1alpha1/namespaces/sandboxes/sandboxclaims";

@@ -30,7 +30,7 @@ use super::pod_spec::{new_pod_name, sandbox_labels};
 use super::pod_state::{pod_state, PodState};
 use super::{KubernetesBackend, Listed, POLL_EVERY};
 use crate::config::SandboxProfile;
-use crate::sandbox::backend::SandboxUnavailable;
+use crate::sandbox::engine::SandboxUnavailable;
 use crate::sandbox::{labels, RunnerChannel};
 use crate::sync::LockExt as _;
 use anyhow::anyhow;

@@ -17,13 +17,13 @@ mod pod_state;
 #[cfg(test)]
 pub(super) mod tests;
 
-use super::backend::{EngineObserver, SandboxFiles, SandboxUnavailable};
 use super::channel::AttachOutput;
+use super::engine::{EngineObserver, SandboxUnavailable};
 use super::heartbeat_every;
-use super::{labels, runner_files, CpuWeight, Listed, RunnerChannel, Sandbox, Warmup};
+use super::{labels, CpuWeight, Listed, RunnerChannel, Sandbox, Warmup};
 use crate::config::{Config, KubernetesMode, SandboxProfile, SeccompChoice};
 use crate::sync::LockExt as _;
-use crate::workspace::{FileIndex, FileRecord, HarvestLimits, HarvestReport, Stamp, Workspace};
+use crate::workspace::Workspace;
 use anyhow::{anyhow, Context};
 use claims::Claims;
 use futures::StreamExt;
@@ -33,7 +33,6 @@ use pod_spec::{new_pod_name, reader_pod, sandbox_pod, session_of_label, PodSetti
 use pod_state::{pod_state, wait_running, PodState, WaitError};
 use std::collections::HashSet;
 use std::io;
-use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
@@ -312,7 +311,7 @@ impl KubernetesBackend {
             Err(err) => {
                 // The attach goes first, so the runner is not held while its pod goes.
                 drop(sandbox);
-                super::SandboxBackend::remove(self, &id).await;
+                super::SandboxEngine::remove(self, &id).await;
                 Err(err)
             }
         }
@@ -476,7 +475,7 @@ impl Drop for AbortOnDrop {
 }
 
 #[async_trait::async_trait]
-impl super::SandboxBackend for KubernetesBackend {
+impl super::engine::SandboxEngine for KubernetesBackend {
     async fn create(
         &self,
         session_id: &str,
@@ -615,82 +614,18 @@ impl super::SandboxBackend for KubernetesBackend {
         let _ = self.observer.set(observer);
     }
 
-    fn place_file(
-        &self,
-        at: &SandboxFiles,
-        blob: &Path,
-        name: &Path,
-        read_only: bool,
-    ) -> io::Result<Stamp> {
-        runner_files::place_file(&at.workspace, at.sandbox.as_deref(), blob, name, read_only)
+    /// Pods run on nodes the broker cannot see: files move through the runner.
+    fn file_transport(&self) -> super::files::FileTransport {
+        super::files::FileTransport::Runner
     }
 
-    fn harvest(
-        &self,
-        at: &SandboxFiles,
-        index: &mut FileIndex,
-        limits: HarvestLimits,
-    ) -> io::Result<HarvestReport> {
-        match &at.sandbox {
-            Some(sandbox) => {
-                let mut files = runner_files::RunnerFiles { sandbox };
-                at.workspace.harvest_from(&mut files, index, limits)
-            }
-            // The pod is gone (it broke during the exec): its files are looked at by the
-            // next one's harvest, after they are put back.
-            None => Ok(HarvestReport::default()),
-        }
+    /// A new pod (after the idle TTL, an eviction, a lost node) starts with an empty
+    /// workspace, and the broker's store has the session's files: once per pod.
+    fn first_settle(&self, sandbox_id: &str) -> bool {
+        !self.lock_settled().contains(sandbox_id)
     }
 
-    fn read_file(
-        &self,
-        at: &SandboxFiles,
-        name: &str,
-        max_bytes: u64,
-    ) -> io::Result<Option<Vec<u8>>> {
-        match &at.sandbox {
-            Some(sandbox) => runner_files::read_file(sandbox, name, max_bytes),
-            None => Err(io::Error::new(
-                io::ErrorKind::NotConnected,
-                "the session has no live sandbox",
-            )),
-        }
-    }
-
-    fn remove_file(&self, at: &SandboxFiles, record: &FileRecord) -> io::Result<()> {
-        runner_files::remove_file(&at.workspace, at.sandbox.as_deref(), record)
-    }
-
-    /// A pooled pod's disk cannot be handed over; a session with files starts its own.
-    fn hands_over_pooled(&self) -> bool {
-        false
-    }
-
-    fn take_pooled_workspace(&self, _session: &Workspace, _pooled: &Workspace) -> io::Result<()> {
-        Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "a pod's workspace cannot be handed over",
-        ))
-    }
-
-    /// Moves that waited for a sandbox, and, once per pod, the session's current files
-    /// the pod lacks: a new pod (after the idle TTL, an eviction, a lost node) starts with
-    /// an empty workspace, and the broker's store has them.
-    fn settle_files(
-        &self,
-        at: &SandboxFiles,
-        index: &mut FileIndex,
-    ) -> io::Result<(bool, Vec<String>)> {
-        let Some(sandbox) = &at.sandbox else {
-            return Ok((false, Vec::new()));
-        };
-        let (mut changed, mut notes) = runner_files::apply_pending(&at.workspace, sandbox, index)?;
-        if !self.lock_settled().contains(&sandbox.container_id) {
-            let (restored, more) = runner_files::restore_missing(&at.workspace, sandbox, index)?;
-            changed |= restored;
-            notes.extend(more);
-            self.lock_settled().insert(sandbox.container_id.clone());
-        }
-        Ok((changed, notes))
+    fn settled(&self, sandbox_id: &str) {
+        self.lock_settled().insert(sandbox_id.to_string());
     }
 }

@@ -5,7 +5,7 @@
 //! server). The attach's WebSocket is not played here.
 
 use super::*;
-use crate::sandbox::SandboxBackend;
+use crate::sandbox::SandboxEngine;
 use axum::http::{Request, Response};
 use http_body_util::BodyExt;
 use kube::client::Body;
