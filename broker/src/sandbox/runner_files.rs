@@ -18,8 +18,8 @@
 use super::{ChannelError, Sandbox};
 use crate::workspace::{FileIndex, FileRecord, HarvestSource, Stamp, Workspace, MAX_ENTRIES};
 use sandbox_runner::files::{
-    is_listed_name, is_plain_name, FileChunk, FileStamp, FileWritten, ListFilesRequest,
-    ReadFileRequest, RemoveFileRequest, WriteFileRequest, MAX_CHUNK_BYTES,
+    is_listed_name, is_plain_name, FileChunk, FileWritten, ListFilesRequest, ReadFileRequest,
+    RemoveFileRequest, WriteFileRequest, MAX_CHUNK_BYTES,
 };
 use sandbox_runner::Request;
 use sha2::{Digest, Sha256};
@@ -79,24 +79,6 @@ fn channel_error(err: ChannelError) -> io::Error {
         // The runner's own words for a missing or refused file.
         ChannelError::Refused(why) => io::Error::new(io::ErrorKind::NotFound, why),
         other => io::Error::other(other),
-    }
-}
-
-fn to_stamp(s: FileStamp) -> Stamp {
-    Stamp {
-        ino: s.ino,
-        size: s.size,
-        ctime: s.ctime,
-        ctime_nsec: s.ctime_nsec,
-    }
-}
-
-fn to_file_stamp(s: Stamp) -> FileStamp {
-    FileStamp {
-        ino: s.ino,
-        size: s.size,
-        ctime: s.ctime,
-        ctime_nsec: s.ctime_nsec,
     }
 }
 
@@ -177,7 +159,7 @@ impl HarvestSource for RunnerFiles<'_> {
                 continue;
             }
             if seen.insert(file.name.clone()) {
-                found.push((file.name, to_stamp(file.stamp)));
+                found.push((file.name, file.stamp));
             }
         }
         if refused > 0 {
@@ -243,7 +225,7 @@ fn write_blob(sandbox: &Sandbox, blob: &Path, name: &str, read_only: bool) -> io
         };
         request(sandbox, req)
     };
-    Ok(to_stamp(write_chunks(blob, put)?.stamp))
+    Ok(write_chunks(blob, put)?.stamp)
 }
 
 /// Sends the file `src` through `put(offset, bytes, last)`, one chunk at a time (the first
@@ -310,7 +292,7 @@ pub(crate) fn remove_file(
         Some(sandbox) => {
             let req = RemoveFileRequest {
                 name: record.name.clone(),
-                stamp: to_file_stamp(record.stamp),
+                stamp: record.stamp,
             };
             match request(sandbox, req) {
                 Ok(_) => Ok(()),
@@ -379,10 +361,7 @@ pub(crate) fn apply_pending(
                 }
             }
             Pending::Remove { name, stamp } => {
-                let req = RemoveFileRequest {
-                    name,
-                    stamp: to_file_stamp(stamp),
-                };
+                let req = RemoveFileRequest { name, stamp };
                 let _ = request(sandbox, req);
             }
         }
@@ -476,7 +455,7 @@ mod tests {
     fn listed(name: &str) -> ListedFile {
         ListedFile {
             name: name.into(),
-            stamp: FileStamp::default(),
+            stamp: Stamp::default(),
             sha256: None,
         }
     }
@@ -643,7 +622,7 @@ mod tests {
                     .expect("log")
                     .push((req.name, req.data.len(), req.read_only));
                 WorkerMessage::FileWritten(sandbox_runner::files::FileWritten {
-                    stamp: FileStamp {
+                    stamp: Stamp {
                         ino: 42,
                         size: 17,
                         ctime: 1,

@@ -53,18 +53,10 @@ pub(crate) enum Origin {
     Input,
 }
 
-/// What a cheap look at a file tells: enough to know it was not touched.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Stamp {
-    /// Inode number.
-    pub(crate) ino: u64,
-    /// Size in bytes.
-    pub(crate) size: u64,
-    /// Change time, seconds and nanoseconds.
-    pub(crate) ctime: i64,
-    /// Nanoseconds part of the change time.
-    pub(crate) ctime_nsec: i64,
-}
+/// What a cheap look at a file tells: enough to know it was not touched. The runner's
+/// protocol type, so a stamp taken through the runner and one taken on the host are the
+/// same value.
+pub(crate) use sandbox_runner::FileStamp as Stamp;
 
 /// Stored versions are counted in whole blocks of this many bytes (what a file takes on
 /// disk), at least one each.
