@@ -76,15 +76,7 @@ impl CodeTools {
         let records = stored?;
         let files: Vec<Value> = records
             .iter()
-            .map(|r| {
-                json!({
-                    "id": r.id,
-                    "name": r.name,
-                    "path": format!("/mnt/data/{}", r.name),
-                    "size": r.size,
-                    "url": download_url(self.public_url(), session.id(), &r.id),
-                })
-            })
+            .map(|r| self.file_json(session.id(), r, false))
             .collect();
         let lines: Vec<String> = records
             .iter()
@@ -153,16 +145,7 @@ impl CodeTools {
         lines.push(format!("session_id: {}", session.id()));
         let files: Vec<Value> = records
             .iter()
-            .map(|r| {
-                json!({
-                    "id": r.id,
-                    "name": r.name,
-                    "path": format!("/mnt/data/{}", r.name),
-                    "size": r.size,
-                    "contentType": content_type(r.name.rsplit('/').next().unwrap_or(&r.name)),
-                    "url": download_url(self.public_url(), session.id(), &r.id),
-                })
-            })
+            .map(|r| self.file_json(session.id(), r, true))
             .collect();
         let mut result = CallToolResult::success(vec![ContentBlock::text(lines.join("\n"))]);
         result.structured_content = Some(json!({ "session_id": session.id(), "files": files }));
@@ -222,6 +205,25 @@ impl CodeTools {
         Ok(CallToolResult::success(vec![ContentBlock::text(format!(
             "not shown inline (binary or large); download: {about}"
         ))]))
+    }
+}
+
+impl CodeTools {
+    /// A file of `session` as the file tools' structured content names it; a listing
+    /// also says its content type.
+    fn file_json(&self, session: &str, record: &FileRecord, with_type: bool) -> Value {
+        let mut file = json!({
+            "id": record.id,
+            "name": record.name,
+            "path": format!("/mnt/data/{}", record.name),
+            "size": record.size,
+            "url": download_url(self.public_url(), session, &record.id),
+        });
+        if with_type {
+            let base = record.name.rsplit('/').next().unwrap_or(&record.name);
+            file["contentType"] = json!(content_type(base));
+        }
+        file
     }
 }
 

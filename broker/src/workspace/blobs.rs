@@ -25,12 +25,7 @@ impl Workspace {
     pub(crate) fn blob_temp(&self) -> io::Result<(PathBuf, std::fs::File)> {
         self.create_blobs_dir()?;
         let path = self.blobs_dir().join(format!(".tmp-{}", new_id()));
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
+        let file = super::create_private(&path)?;
         Ok((path, file))
     }
 

@@ -230,6 +230,17 @@ impl Workspace {
     }
 }
 
+/// A new file at `path` that only the broker reads (0600), failing if anything is there:
+/// a temporary file never opens what another process planted.
+pub(crate) fn create_private(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::fs::euid;

@@ -56,14 +56,9 @@ impl Workspace {
 
     /// A new, empty file for saved bytes to come into (0600), replacing an unfinished one.
     pub(crate) fn state_part(&self) -> io::Result<(PathBuf, std::fs::File)> {
-        use std::os::unix::fs::OpenOptionsExt as _;
         let path = self.root.join(STATE_PART);
         let _ = std::fs::remove_file(&path);
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
+        let file = super::create_private(&path)?;
         Ok((path, file))
     }
 
