@@ -29,7 +29,7 @@ pub use crate::core::capacity::{read_meminfo, sandboxes_that_fit};
 pub use crate::core::{Broker, ResolvedCaps};
 pub use mcp::codemode;
 
-use crate::config::{BackendKind, Config};
+use crate::config::Config;
 use anyhow::Context;
 use std::future::Future;
 use std::sync::Arc;
@@ -43,15 +43,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
     config.validate()?;
     // Checked here, so a bad key stops the start; `run` loads them again for the routes.
     http::jwt::JwtKeys::load(&config.access).context("cannot load the JWT public keys")?;
-    if identity::check(config.sandbox_uids())? == identity::Identity::SameAsSandbox
-        && config.backend == BackendKind::Docker
-    {
-        tracing::warn!(
-            uid = config.workspace_uid(),
-            "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
-             run it as another uid (the broker image does)"
-        );
-    }
+    let identity = identity::check(config.sandbox_uids())?;
     let mut config = config;
     // Only the broker reads its data: sessions/ and staging/ are 0700 from the start.
     for dir in ["sessions", "staging"] {
@@ -71,6 +63,15 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
         .with_context(|| format!("cannot resolve {}", config.data_dir.display()))?;
     let config = Arc::new(config);
     let backend = Arc::new(sandbox::connect(&config).await?);
+    // Only where the broker places files in the directory sandboxes mount does its uid
+    // keep read-only uploads as placed.
+    if identity == identity::Identity::SameAsSandbox && backend.files_on_host() {
+        tracing::warn!(
+            uid = config.workspace_uid(),
+            "the broker runs as the sandbox uid: sandboxed code can change read-only uploads; \
+             run it as another uid (the broker image does)"
+        );
+    }
     let broker = Arc::new(Broker::new(config, backend));
     broker
         .reconcile()
