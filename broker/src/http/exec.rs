@@ -151,7 +151,7 @@ impl ExecBody {
     request_body = ExecBody,
     responses(
         (status = 200, description = "The exec's output", body = crate::http::openapi::ExecResponseDoc),
-        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::BadExec,
         crate::http::openapi::Unauthorized,
         (status = 403, description = "An input file belongs to another user", body = crate::http::openapi::ErrorBody),
         crate::http::openapi::WrongShape,
@@ -229,7 +229,7 @@ fn keepalive_response(run: ExecRun) -> Response {
     request_body = ExecBody,
     responses(
         (status = 200, description = "`stdout`, `stderr`, `display` events, then `result` (the /exec response) or `error` (the error envelope); NDJSON lines `{event, data}` with `Accept: application/x-ndjson`; a `: keep-alive` comment (NDJSON: `{\"event\":\"heartbeat\",\"data\":null}`) after each CODEBROKER_STREAM_KEEPALIVE_SECS (15) of silence", content_type = "text/event-stream"),
-        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::BadExec,
         crate::http::openapi::Unauthorized,
         crate::http::openapi::WrongShape,
         crate::http::openapi::RateLimited,

@@ -161,7 +161,7 @@ pub(crate) struct LobeArgs {
     request_body(content = LobeArgs, content_type = "application/json"),
     responses(
         (status = 200, description = "Output, images and file links as markdown", content_type = "text/markdown"),
-        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::BadExec,
         crate::http::openapi::Unauthorized,
         crate::http::openapi::WrongShape,
         crate::http::openapi::RateLimited,

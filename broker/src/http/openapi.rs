@@ -49,6 +49,31 @@ pub(crate) enum WrongShape {
     WrongShape(ErrorBody),
 }
 
+/// 400 and 404 of the routes that name a file of a session: a malformed id, or no such
+/// session or file (another user's reads the same).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum FileLookup {
+    #[response(status = 400, description = "Malformed id")]
+    Malformed(ErrorBody),
+    #[response(
+        status = 404,
+        description = "No such session or file (or another user's)"
+    )]
+    Missing(ErrorBody),
+}
+
+/// 400: a malformed request or an unsupported language (the routes that run code).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum BadExec {
+    #[response(
+        status = 400,
+        description = "Malformed request or unsupported language"
+    )]
+    BadExec(ErrorBody),
+}
+
 /// 429: a rate or capacity limit (the routes that run code).
 #[derive(utoipa::IntoResponses)]
 #[allow(dead_code)]

@@ -78,7 +78,7 @@ struct ProgrammaticBody {
     request_body = ProgrammaticBody,
     responses(
         (status = 200, description = "`{status: tool_call_required | completed | error, continuation_token?, tool_calls?, ...the /exec response}`", content_type = "application/json"),
-        (status = 400, description = "Malformed request or unsupported language", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::BadExec,
         crate::http::openapi::Unauthorized,
         (status = 404, description = "Unknown continuation token", body = crate::http::openapi::ErrorBody),
         (status = 409, description = "Continuation token already used", body = crate::http::openapi::ErrorBody),

@@ -25,9 +25,8 @@ const DOWNLOAD_CHUNK: usize = 256 * 1024;
     ),
     responses(
         (status = 200, description = "The bytes", content_type = "application/octet-stream"),
-        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::FileLookup,
         crate::http::openapi::Unauthorized,
-        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
 pub(super) async fn download(

@@ -193,9 +193,8 @@ async fn list_files(
     ),
     responses(
         (status = 200, description = "`{name, originalFilename, size, contentType, lastModified, readOnly}`", content_type = "application/json"),
-        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::FileLookup,
         crate::http::openapi::Unauthorized,
-        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
 async fn object_info(
@@ -228,10 +227,9 @@ async fn object_info(
     ),
     responses(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
-        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::FileLookup,
         crate::http::openapi::Unauthorized,
         (status = 403, description = "A shared (skill or agent) file: read-only", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
 async fn delete_file(
@@ -270,10 +268,9 @@ async fn delete_file(
     ),
     responses(
         (status = 200, description = "`{message, session_id, fileId}`", content_type = "application/json"),
-        (status = 400, description = "Malformed id", body = crate::http::openapi::ErrorBody),
+        crate::http::openapi::FileLookup,
         crate::http::openapi::Unauthorized,
         (status = 403, description = "A shared (skill or agent) file: read-only", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "No such session or file (or another user's)", body = crate::http::openapi::ErrorBody),
     )
 )]
 async fn delete_object(
