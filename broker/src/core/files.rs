@@ -604,18 +604,7 @@ impl Broker {
             .map_err(|_| not_found())?;
         let size = file.metadata().await.map_or(record.size, |m| m.len());
         // Counted when served (a client that stops reading early still counts in full).
-        let served = FileRecord {
-            size,
-            ..record.clone()
-        };
-        observe_files(
-            &self.metrics,
-            &self.audit,
-            FileEvent::Download,
-            user,
-            session,
-            &[&served],
-        );
+        self.observe_download(session, record, size, user);
         Ok((file, size))
     }
 
@@ -628,8 +617,20 @@ impl Broker {
         user: Option<&str>,
     ) -> Result<Vec<u8>> {
         let bytes = crate::render::read_blob(session, record).await?;
+        self.observe_download(session, record, bytes.len() as u64, user);
+        Ok(bytes)
+    }
+
+    /// Counts and audits `size` bytes of `record` served to `user`.
+    fn observe_download(
+        &self,
+        session: &Session,
+        record: &FileRecord,
+        size: u64,
+        user: Option<&str>,
+    ) {
         let served = FileRecord {
-            size: bytes.len() as u64,
+            size,
             ..record.clone()
         };
         observe_files(
@@ -640,7 +641,6 @@ impl Broker {
             session,
             &[&served],
         );
-        Ok(bytes)
     }
 
     /// Removes one file id (its record, its bytes when no other id needs them, the
