@@ -779,245 +779,39 @@ def _reap_on_sigchld(signum, frame):
 
 
 # --------------------------------------------------------------------------------------------
-# Tools: functions that call the broker's tools over the exec's tool socket
+# Parts: what a kernel start does not need is loaded on first use
 # --------------------------------------------------------------------------------------------
 #
-# For each tool of a request the cell's globals get `async def NAME(*, param, ...)`: keyword-only
-# parameters from the JSON Schema's `properties` (those in `required` have no default, the
-# others default to None and are left out of the input when None), `**kwargs` when the schema
-# allows more properties (or lists none), the description (and the properties' descriptions)
-# as docstring. Calling it sends {"name": ..., "input": {...}} over a new connection to the
-# socket and returns the answer's `result`, or raises ToolError with its `error_message`; so
-# `await asyncio.gather(a(), b())` makes two calls at once.
-#
-# Names: characters that cannot be in an identifier become `_` (a leading digit gets `_` in
-# front); a function name that is a keyword or a builtin (or ToolError) gets `_tool` appended,
-# a parameter name that is a keyword gets `_` appended; duplicates get `_2`, `_3`, ...
-#
-# Before the next cell the functions and ToolError are removed from the globals again, unless
-# the code bound the name to something else meanwhile.
+# Tool calls (kernel_tools.py) and state saving (kernel_state.py) sit beside this file and are
+# loaded the first time a request needs them, as modules that are not in sys.modules (user
+# code cannot import them, as it cannot import this file). Their frames are the kernel's:
+# tracebacks leave them out like this file's own.
 
-
-class ToolError(RuntimeError):
-    """A tool call failed: the tool reported an error, or the tool socket could not be used."""
-
-    def __init__(self, message, tool=None):
-        super().__init__(message)
-        self.tool = tool
-
-
-_JSON_TYPES = {
-    "string": "str",
-    "integer": "int",
-    "number": "float",
-    "boolean": "bool",
-    "array": "list",
-    "object": "dict",
-    "null": "None",
+PART_NAMES = ("tools", "state")
+PART_FILES = {
+    name: os.path.join(os.path.dirname(KERNEL_FILE), "kernel_%s.py" % name) for name in PART_NAMES
 }
+KERNEL_FILES = frozenset(PART_FILES.values()) | {KERNEL_FILE}
+PARTS = {}  # name -> the loaded module
 
 
-def _identifier(name):
-    """name with every character that cannot be in an identifier replaced by `_`."""
-    if not isinstance(name, str):
-        name = str(name)
-    if not name.isascii():
-        import unicodedata
+def part(name):
+    """The module of part `name`, loaded on the first call (its bytecode is compiled into
+    the image, so a load reads it rather than compiles it)."""
+    module = PARTS.get(name)
+    if module is None:
+        import importlib.util
+        from importlib.machinery import SourceFileLoader
 
-        name = unicodedata.normalize("NFKC", name)  # as the parser would see it
-    s = "".join(c if ("_" + c).isidentifier() else "_" for c in name)
-    if not s.isidentifier():
-        s = "_" + s  # empty, or starts with a digit
-    return s if s.isidentifier() else "_"
-
-
-def _unique(name, taken):
-    candidate, n = name, 2
-    while candidate in taken:
-        candidate = "%s_%d" % (name, n)
-        n += 1
-    taken.add(candidate)
-    return candidate
-
-
-def tool_function_names(names):
-    """The Python function names of tools called `names`, in order."""
-    import builtins
-    import keyword
-
-    taken = set()
-    out = []
-    for name in names:
-        ident = _identifier(name)
-        if keyword.iskeyword(ident) or hasattr(builtins, ident) or ident == "ToolError":
-            ident += "_tool"
-        out.append(_unique(ident, taken))
-    return out
-
-
-def _json_default(value):
-    """JSON for the values numpy, pandas and datetime hand out."""
-    for attr in ("tolist", "isoformat"):
-        method = getattr(value, attr, None)
-        if callable(method):
-            return method()
-    if isinstance(value, (set, frozenset)):
-        return list(value)
-    raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
-
-
-# Calls started in the same turn of the event loop (`asyncio.gather(a(), b())`) are sent
-# together once the turn ends, each naming the step and its size, so the broker answers
-# them as one batch. One step at a time per event loop (threads may run their own loop).
-_steps = {}
-_step_count = [0]
-
-
-async def _step_of_call():
-    """Joins this turn's step; once the turn ends, its hint (None for a lone call)."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    step = _steps.get(id(loop))
-    if step is None:
-        _step_count[0] += 1
-        step = {"id": "py-%d" % _step_count[0], "size": 0, "done": loop.create_future()}
-        _steps[id(loop)] = step
-
-        def close():
-            _steps.pop(id(loop), None)
-            step["done"].set_result(None)
-
-        loop.call_soon(close)
-    step["size"] += 1
-    await step["done"]
-    return {"id": step["id"], "size": step["size"]} if step["size"] > 1 else None
-
-
-async def call_tool(socket_path, name, payload):
-    """One call over the tool socket: the result, or ToolError."""
-    import asyncio
-    import json
-
-    if not socket_path:
-        raise ToolError("Tool %r is not available: this exec has no tool socket" % name, name)
-    batch = await _step_of_call()
-    flush_output()  # what the code printed before the call comes before it
-    request = {"name": name, "input": payload}
-    if batch:
-        request["batch"] = batch
-    line = json.dumps(request, default=_json_default).encode() + b"\n"
-    try:
-        reader, writer = await asyncio.open_unix_connection(socket_path)
-    except OSError as e:
-        raise ToolError(
-            "Tool %r is not available (tools only work during the exec that has them): %s"
-            % (name, e.strerror or e), name
-        ) from None
-    try:
-        writer.write(line)
-        await writer.drain()
-        data = await reader.read()
-    except OSError as e:
-        raise ToolError("Tool %r: the call failed: %s" % (name, e.strerror or e), name) from None
-    finally:
-        writer.close()
-    try:
-        answer = json.loads(data) if data else None
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise ToolError("Tool %r: no answer (is the exec over?)" % name, name)
-    if answer.get("is_error"):
-        raise ToolError(answer.get("error_message") or "Tool %r failed" % name, name)
-    return answer.get("result")
-
-
-def _annotation(schema):
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    return _JSON_TYPES.get(kind) if isinstance(kind, str) else None
-
-
-def make_tool_function(func_name, tool, socket_path):
-    """The async function for one tool spec; see the comment above."""
-    import keyword
-
-    name = tool["name"]
-    description = tool.get("description")
-    description = description if isinstance(description, str) else ""
-    schema = tool.get("parameters")
-    schema = schema if isinstance(schema, dict) else {}
-    props = schema.get("properties")
-    props = props if isinstance(props, dict) else {}
-    required = schema.get("required")
-    required = set(r for r in required if isinstance(r, str)) if isinstance(required, list) else set()
-    extra = schema.get("additionalProperties")  # absent: allowed, but not offered unless no props
-    variadic = extra is not False if not props else (extra is True or isinstance(extra, dict))
-
-    taken = set()
-    params, req_items, opt_items, docs = [], [], [], []
-    for prop, sub in props.items():
-        ident = _identifier(prop)
-        if keyword.iskeyword(ident):
-            ident += "_"
-        if ident.startswith("_codebroker"):
-            ident += "_"
-        ident = _unique(ident, taken)
-        ann = _annotation(sub)
-        if prop in required:
-            params.append("%s: %s" % (ident, ann) if ann else ident)
-            req_items.append("%r: %s" % (prop, ident))
-        else:
-            if ann and ann != "None" and sys.version_info >= (3, 10):
-                params.append("%s: %s | None = None" % (ident, ann))
-            else:
-                params.append("%s=None" % ident)
-            opt_items.append("%r: %s" % (prop, ident))
-        text = sub.get("description") if isinstance(sub, dict) else None
-        kind = (ann or "any") + ("" if prop in required else ", optional")
-        text = " ".join(text.split()) if isinstance(text, str) else ""
-        docs.append("    %s (%s)%s" % (ident, kind, ": " + text if text else ""))
-    kwargs = _unique("kwargs", taken)
-    signature = (["*"] + params if params else []) + (["**" + kwargs] if variadic else [])
-    source = (
-        "def _codebroker_make(_codebroker_call):\n"
-        "    async def %s(%s):\n"
-        "        return await _codebroker_call({%s}, {%s}, %s)\n"
-        "    return %s\n"
-        % (func_name, ", ".join(signature), ", ".join(req_items), ", ".join(opt_items),
-           kwargs if variadic else "None", func_name)
-    )
-
-    async def call(required_input, optional_input, extra_input):
-        payload = dict(extra_input or ())
-        payload.update(required_input)
-        payload.update((k, v) for k, v in optional_input.items() if v is not None)
-        return await call_tool(socket_path, name, payload)
-
-    filename = "%s%s>" % (TOOL_PREFIX, func_name)
-    namespace = {"__builtins__": __builtins__}
-    try:
-        exec(compile(source, filename, "exec", dont_inherit=True), namespace)
-    except SyntaxError:  # cannot happen with sanitized names; keep the tool usable anyway
-        source = (
-            "def _codebroker_make(_codebroker_call):\n"
-            "    async def %s(**kwargs):\n"
-            "        return await _codebroker_call({}, {}, kwargs)\n"
-            "    return %s\n" % (func_name, func_name)
+        loader = SourceFileLoader("codebroker_kernel_" + name, PART_FILES[name])
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+        # What the parts share with the kernel (named at the top of each part).
+        module.__dict__.update(
+            flush_output=flush_output, register_source=register_source, TOOL_PREFIX=TOOL_PREFIX
         )
-        docs = []
-        exec(compile(source, filename, "exec", dont_inherit=True), namespace)
-    register_source(filename, source)
-    func = namespace["_codebroker_make"](call)
-    func.__qualname__ = func_name
-    func.__module__ = "__main__"
-    doc = description.strip()
-    if docs:
-        doc = (doc + "\n\n" if doc else "") + "Args:\n" + "\n".join(docs)
-    func.__doc__ = doc or None
-    func.tool_name = name
-    func.tool_parameters = schema
-    return func
+        loader.exec_module(module)
+        PARTS[name] = module
+    return module
 
 
 # --------------------------------------------------------------------------------------------
@@ -1283,383 +1077,6 @@ def warm_up_plotting():
 
 
 # --------------------------------------------------------------------------------------------
-# State: the globals saved to a file before the sandbox goes, restored in the next one
-# --------------------------------------------------------------------------------------------
-#
-# When the broker removes a session's container (idle, evicted, shut down) it first asks the
-# runner to save the kernel's globals: `{"type": "save_state", "id": N, "path": P,
-# "max_bytes": B, "timeout_ms": T}`, answered by `{"event": "state_saved", "id": N, "bytes":
-# n, "saved": k, "modules": m, "skipped": [[name, why], ...], "error": null}`. The next
-# container's kernel, before its first cell, gets `{"type": "restore_state", "id": N,
-# "path": P, "max_bytes": B}`, answered by `{"event": "state_restored", "id": N,
-# "restored": k, "failed": [[name, why], ...], "error": null}`. Both count as requests: a
-# preload under way stops.
-#
-# What is saved: every global but dunder names. A module (`import pandas as pd`, `from os
-# import path`) is recorded by name and imported again. Open files, sockets, threads, locks,
-# generators, coroutines, frames and running processes cannot outlive their process: they are
-# named in `skipped` with what they are. Everything else is pickled with cloudpickle, which
-# pickles classes and functions defined in cells (in `__main__`) by value; functions restored
-# see the restored namespace as their globals, as they did before. One pickler writes the
-# names one after another, so objects shared between names stay shared; a name whose
-# pickling fails (an unpicklable object inside it, or bytes over the bound) is cut off the
-# file and named in `skipped` with the error, and the next name starts a fresh pickler.
-#
-# Bounds: the file never grows past B bytes, and past T milliseconds the name being written
-# is dropped and the rest are skipped (what was written is kept). Unpickling happens only
-# here, in the sandbox of the session that saved it: the broker moves the file's bytes and
-# never reads them.
-#
-# The file: a magic line, the pickles, a JSON index of the names (where each starts and
-# ends, which start a fresh pickler, the modules), and a trailer: 8 bytes of the index's
-# offset, little-endian, then STATE_TRAILER. A restore checks the size, the magic, the
-# trailer and the index before it unpickles anything, and a name that fails to load is
-# reported, never fatal: the kernel goes on with what loaded.
-
-STATE_MAGIC = b"codebroker python state 1\n"
-STATE_TRAILER = b"CBSTATE1"
-STATE_MAX_INDEX = 16 << 20  # bytes of index a restore reads at most
-STATE_MAX_REPORTED = 100  # names listed in an answer; the count says the rest
-STATE_NAME_CHARS = 200  # characters of a name or reason in an answer
-
-
-class _OverBound(Exception):
-    pass
-
-
-class _OutOfTime(Exception):
-    pass
-
-
-class _StateSink:
-    """The state file as the pickler's output: writes past the byte bound or the deadline
-    raise, so a save stops within both (see "State")."""
-
-    def __init__(self, fd, max_bytes, deadline):
-        import time
-
-        self.fd, self.max_bytes, self.deadline, self.clock = fd, max_bytes, deadline, time.monotonic
-        self.pos = os.lseek(fd, 0, os.SEEK_CUR)
-
-    def write(self, data):
-        # bytes, or a PickleBuffer (protocol 5 hands large arrays over as they are).
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        if self.pos + size > self.max_bytes:
-            raise _OverBound()
-        if self.clock() > self.deadline:
-            raise _OutOfTime()
-        while view:
-            n = os.write(self.fd, view)
-            self.pos += n
-            view = view[n:]
-        return size
-
-    def cut(self, pos):
-        """Drop what was written after pos (a name that failed)."""
-        os.ftruncate(self.fd, pos)
-        os.lseek(self.fd, pos, os.SEEK_SET)
-        self.pos = pos
-
-
-def _why_unpicklable(value):
-    """What `value` is when it cannot outlive its process (see "State"), else None."""
-    import types
-
-    kinds = (
-        (types.GeneratorType, "a generator"),
-        (types.CoroutineType, "a coroutine"),
-        (types.AsyncGeneratorType, "an async generator"),
-        (types.FrameType, "a frame"),
-        (types.TracebackType, "a traceback"),
-        (io.IOBase, "an open file"),
-        (type(_thread.allocate_lock()), "a lock"),
-        (_thread.RLock, "a lock"),
-    )
-    for kind, what in kinds:
-        if isinstance(value, kind):
-            return what
-    for module, attr, what in (
-        ("socket", "socket", "a socket"),
-        ("threading", "Thread", "a thread"),
-        ("subprocess", "Popen", "a running process"),
-        ("mmap", "mmap", "a memory map"),
-        ("asyncio", "Future", "an asyncio task or future"),
-        ("asyncio", "AbstractEventLoop", "an event loop"),
-    ):
-        kind = getattr(sys.modules.get(module), attr, None)
-        if isinstance(kind, type) and isinstance(value, kind):
-            return what
-    return None
-
-
-def _clip(text):
-    text = str(text)
-    return text if len(text) <= STATE_NAME_CHARS else text[: STATE_NAME_CHARS - 3] + "..."
-
-
-def _reported(pairs):
-    """At most STATE_MAX_REPORTED [name, why] pairs, clipped, and a last one for the rest."""
-    out = [[_clip(n), _clip(w)] for n, w in pairs[:STATE_MAX_REPORTED]]
-    if len(pairs) > STATE_MAX_REPORTED:
-        out.append(["...", "and %d more" % (len(pairs) - STATE_MAX_REPORTED)])
-    return out
-
-
-def _error_text(e):
-    text = "%s: %s" % (type(e).__name__, e) if str(e) else type(e).__name__
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _state_pickler(sink, ns):
-    """A cloudpickle pickler whose cell functions keep `ns` as their globals (see "State")."""
-    import cloudpickle
-
-    marker = {}  # stands for ns among the pickled functions' globals
-
-    class StatePickler(cloudpickle.Pickler):
-        def persistent_id(self, obj):
-            return "__main__" if obj is marker else None
-
-    pickler = StatePickler(sink, protocol=5)
-    refs = getattr(pickler, "globals_ref", None)
-    if isinstance(refs, dict):
-        # cloudpickle gives the functions sharing one globals dict one new dict; ns's is
-        # the marker, which the restore turns into the live namespace.
-        refs[id(ns)] = marker
-    return pickler
-
-
-def save_state(ns, path, max_bytes, timeout_ms):
-    """Save the globals `ns` to `path` (see "State"); the `state_saved` event's fields."""
-    import json
-    import time
-
-    deadline = time.monotonic() + max(timeout_ms, 1) / 1000.0
-    modules, skipped, names = {}, [], []
-    for name, value in list(ns.items()):
-        if not isinstance(name, str) or (name.startswith("__") and name.endswith("__")):
-            continue
-        if isinstance(value, type(sys)):
-            if sys.modules.get(value.__name__) is value and value.__name__ != "__main__":
-                modules[name] = value.__name__
-            else:
-                skipped.append((name, "a module that cannot be imported again"))
-            continue
-        why = _why_unpicklable(value)
-        if why is not None:
-            skipped.append((name, why))
-        else:
-            names.append(name)
-    answer = {"bytes": 0, "saved": 0, "modules": len(modules), "skipped": None, "error": None}
-    if not names and not modules:
-        answer["skipped"] = _reported(skipped)
-        return answer
-    # Room for the index and trailer, so that the whole file stays within max_bytes.
-    reserve = 256 + sum(len(json.dumps(n)) + 48 for n in names) + len(json.dumps(modules))
-    if reserve >= max_bytes:
-        answer["error"] = "the saved state may hold only %d bytes" % max_bytes
-        answer["skipped"] = _reported(skipped)
-        return answer
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, STATE_MAGIC)  # short: written whole
-        sink = _StateSink(fd, max_bytes - reserve, deadline)
-        items, pickler = [], None
-        for i, name in enumerate(names):
-            start = sink.pos
-            fresh = pickler is None
-            if fresh:
-                pickler = _state_pickler(sink, ns)
-            try:
-                pickler.dump(ns[name])
-            except _OutOfTime:
-                sink.cut(start)
-                late = "not saved: the save took longer than %d ms" % timeout_ms
-                skipped.extend((n, late) for n in names[i:])
-                break
-            except _OverBound:
-                sink.cut(start)
-                pickler = None
-                skipped.append((name, "too large: the saved state may hold %d bytes" % max_bytes))
-                continue
-            except OSError as e:  # /tmp is full
-                sink.cut(start)
-                late = "not saved: %s" % _error_text(e)
-                skipped.extend((n, late) for n in names[i:])
-                break
-            except BaseException as e:  # whatever its __reduce__ raises, the save goes on
-                sink.cut(start)
-                pickler = None
-                skipped.append((name, "cannot be pickled: %s" % _error_text(e)))
-                continue
-            items.append([name, start, sink.pos, fresh])
-        pickler = None
-        index = json.dumps({
-            "python": "%d.%d" % sys.version_info[:2],
-            "modules": modules,
-            "items": items,
-        }).encode()
-        at = sink.pos
-        # Within the reserve; written whatever the clock says, as they make the file usable.
-        sink.max_bytes, sink.deadline = max_bytes, float("inf")
-        sink.write(index)
-        sink.write(at.to_bytes(8, "little") + STATE_TRAILER)
-        answer.update(bytes=sink.pos, saved=len(items))
-    except BaseException:
-        os.close(fd)
-        fd = None
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        raise
-    finally:
-        if fd is not None:
-            os.close(fd)
-    answer["skipped"] = _reported(skipped)
-    return answer
-
-
-class _Window:
-    """Reads of one name's bytes in the state file, no further: a corrupt length cannot
-    make a load read another name's bytes, or wait."""
-
-    def __init__(self, f):
-        self.f, self.end = f, 0
-
-    def set(self, start, end):
-        self.f.seek(start)
-        self.end = end
-
-    def _left(self, n):
-        left = self.end - self.f.tell()
-        return max(0, left if n is None or n < 0 else min(n, left))
-
-    def read(self, n=-1):
-        return self.f.read(self._left(n))
-
-    def readinto(self, buf):
-        view = memoryview(buf).cast("B")
-        return self.f.readinto(view[: self._left(view.nbytes)])
-
-    def readline(self, n=-1):
-        return self.f.readline(self._left(n))
-
-
-def _read_state_index(f, size):
-    """The index of a state file of `size` bytes, checked; ValueError when it is not one."""
-    import json
-
-    if size < len(STATE_MAGIC) + 8 + len(STATE_TRAILER):
-        raise ValueError("too short to be a saved state")
-    if f.read(len(STATE_MAGIC)) != STATE_MAGIC:
-        raise ValueError("not a saved state")
-    f.seek(size - 8 - len(STATE_TRAILER))
-    tail = f.read(8 + len(STATE_TRAILER))
-    if tail[8:] != STATE_TRAILER:
-        raise ValueError("the saved state is cut short")
-    at = int.from_bytes(tail[:8], "little")
-    end = size - len(tail)
-    if not len(STATE_MAGIC) <= at <= end or end - at > STATE_MAX_INDEX:
-        raise ValueError("the saved state's index is damaged")
-    f.seek(at)
-    try:
-        index = json.loads(f.read(end - at).decode("utf-8"))
-    except ValueError:
-        raise ValueError("the saved state's index is damaged") from None
-    modules = index.get("modules") if isinstance(index, dict) else None
-    items = index.get("items") if isinstance(index, dict) else None
-    if not isinstance(modules, dict) or not isinstance(items, list):
-        raise ValueError("the saved state's index is damaged")
-    checked, last = [], len(STATE_MAGIC)
-    for item in items:
-        ok = (
-            isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)
-            and all(type(x) is int for x in item[1:3]) and isinstance(item[3], bool)
-            and last <= item[1] <= item[2] <= at
-        )
-        if not ok:
-            raise ValueError("the saved state's index is damaged")
-        last = item[2]
-        checked.append(item)
-    modules = [(k, v) for k, v in modules.items() if isinstance(v, str)]
-    return index.get("python"), modules, checked
-
-
-def restore_state(ns, path, max_bytes):
-    """Load the state file `path` into the globals `ns` (see "State"); the
-    `state_restored` event's fields."""
-    import importlib
-    import pickle
-
-    answer = {"restored": 0, "failed": None, "error": None}
-    failed = []
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        answer["error"] = "cannot open the saved state: %s" % _error_text(e)
-        return answer
-    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
-        size = os.fstat(fd).st_size
-        if size > max_bytes:
-            answer["error"] = "the saved state has %d bytes, more than the %d allowed" % (size, max_bytes)
-            return answer
-        try:
-            python, modules, items = _read_state_index(f, size)
-        except (ValueError, OSError) as e:
-            answer["error"] = str(e)
-            return answer
-        restored = 0
-        for name, module in modules:
-            if not name.isidentifier():
-                continue
-            try:
-                ns[name] = importlib.import_module(module)
-                restored += 1
-            except BaseException as e:
-                failed.append((name, "cannot import %s: %s" % (module, _error_text(e))))
-        window = _Window(f)
-
-        def fresh_unpickler(memo=None):
-            u = pickle.Unpickler(window)
-            u.persistent_load = lambda pid: ns if pid == "__main__" else _bad_persistent_id(pid)
-            if memo:
-                u.memo = memo
-            return u
-
-        unpickler = None
-        for name, start, end, fresh in items:
-            if fresh or unpickler is None:
-                unpickler = fresh_unpickler()
-            window.set(start, end)
-            try:
-                ns[name] = unpickler.load()
-                restored += 1
-            except BaseException as e:  # a broken or hostile pickle fails its name only
-                why = _error_text(e)
-                if python and python != "%d.%d" % sys.version_info[:2]:
-                    why += " (saved by Python %s)" % _clip(python)
-                failed.append((name, why))
-                # A load that failed half-way leaves the unpickler's buffer where it
-                # stopped: the next name gets a new one, with what was loaded so far.
-                try:
-                    memo = unpickler.memo.copy()
-                except BaseException:
-                    memo = None
-                unpickler = fresh_unpickler(memo)
-        answer["restored"] = restored
-    answer["failed"] = _reported(failed)
-    return answer
-
-
-def _bad_persistent_id(pid):
-    import pickle
-
-    raise pickle.UnpicklingError("unknown persistent id")
-
-
-# --------------------------------------------------------------------------------------------
 # Running code
 # --------------------------------------------------------------------------------------------
 
@@ -1733,10 +1150,11 @@ class Kernel:
             os.environ[TOOL_SOCKET_ENV] = socket_path  # for `sandbox-runner tool-call` and co.
         else:
             os.environ.pop(TOOL_SOCKET_ENV, None)
-        names = tool_function_names([t["name"] for t in tools])
+        tools_part = part("tools")
+        names = tools_part.tool_function_names([t["name"] for t in tools])
         for func_name, tool in zip(names, tools):
-            self.tool_globals[func_name] = make_tool_function(func_name, tool, socket_path)
-        self.tool_globals["ToolError"] = ToolError
+            self.tool_globals[func_name] = tools_part.make_tool_function(func_name, tool, socket_path)
+        self.tool_globals["ToolError"] = tools_part.ToolError
         self.ns.update(self.tool_globals)
         # Tool-calling code is written as `await asyncio.gather(...)` without an import
         # (LibreChat's tool description says so, and its own sandbox imports it first).
@@ -1868,7 +1286,7 @@ class Kernel:
                 return None
         entries = [
             t for t in entries
-            if t.tb_frame.f_code.co_filename != KERNEL_FILE
+            if t.tb_frame.f_code.co_filename not in KERNEL_FILES
             and not t.tb_frame.f_code.co_filename.startswith(TOOL_PREFIX)
         ]
         new = None
@@ -1931,14 +1349,16 @@ class Kernel:
             fields = {"restored": 0, "error": "the kernel has run code already"}
         if fields is None:
             self.prepare([])
+            state = None
             try:
+                state = part("state")
                 if saving:
                     limit = timeout_ms if type(timeout_ms) is int and timeout_ms > 0 else 30000
-                    fields = save_state(self.ns, path, max_bytes, limit)
+                    fields = state.save_state(self.ns, path, max_bytes, limit)
                 else:
-                    fields = restore_state(self.ns, path, max_bytes)
+                    fields = state.restore_state(self.ns, path, max_bytes)
             except BaseException as e:
-                fields = {"error": _clip(_error_text(e))}
+                fields = {"error": state.reported_error(e) if state else repr(e)[:200]}
             finally:
                 if not saving:
                     try:

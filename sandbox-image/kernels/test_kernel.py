@@ -957,7 +957,25 @@ def test_tool_calls_over_the_socket():
             assert code == 1
             assert err.endswith("ToolError: need a and b\n"), err
             assert "kernel.py" not in err and "codebroker-tool" not in err, err
+            assert "kernel_tools.py" not in err, err
             assert 'File "<cell-' in err, err
+    finally:
+        server.close()
+
+
+def test_parts_load_on_first_use_and_stay_out_of_sight():
+    # kernel_tools.py and kernel_state.py sit beside kernel.py; user code can import
+    # neither, and they are not in sys.modules before or after their first use.
+    server = FakeToolSocket(_add_answer)
+    listed = "import sys\nprint([m for m in sys.modules if 'kernel' in m])"
+    try:
+        with Kernel() as k:
+            assert_ok(k.run(listed), "[]\n")
+            assert_ok(k.run("print(await add(a=1, b=2))", tools=[ADD], tool_socket=server.path), "3\n")
+            assert_ok(k.run(listed), "[]\n")
+            for name in ("kernel_tools", "kernel_state"):
+                code, out, err = k.run("import %s" % name)
+                assert code == 1 and "ModuleNotFoundError" in err, err
     finally:
         server.close()
 
