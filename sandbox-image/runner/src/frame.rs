@@ -1,6 +1,7 @@
 //! Reading frames from the broker and writing frames back.
 
 use crate::sys;
+use sandbox_runner::sync::LockExt as _;
 use sandbox_runner::{CoordinatorMessage, JobId, Multiplexed, WorkerMessage, UNSOLICITED};
 use std::io::{self, BufRead};
 use std::sync::Mutex;
@@ -132,7 +133,7 @@ impl Channel {
             }
         };
         line.push(b'\n');
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock.locked();
         let _ = sys::write_all_raw(libc::STDOUT_FILENO, &line);
     }
 

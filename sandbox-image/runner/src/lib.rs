@@ -6,12 +6,14 @@
 //! concern. Requests flow as [`CoordinatorMessage`], answers as [`WorkerMessage`]; each
 //! request type names its response type through [`Request::Response`].
 //!
-//! This crate's library holds only the protocol; the binary is the runner itself.
+//! This crate's library holds the protocol and the one lock helper both sides use
+//! ([`sync`]); the binary is the runner itself.
 
 pub mod files;
 pub mod language;
 pub mod protocol;
 pub mod state;
+pub mod sync;
 
 pub use files::*;
 pub use language::Language;

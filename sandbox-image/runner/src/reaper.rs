@@ -15,6 +15,7 @@
 
 use crate::spawn::{self, Spec};
 use crate::sys::Waker;
+use sandbox_runner::sync::LockExt as _;
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::{Mutex, MutexGuard};
@@ -51,7 +52,7 @@ impl Tracker {
 
     /// The state; a panic elsewhere must not make the reaper give up.
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// Starts a tracked child; returns once it has exec'd.

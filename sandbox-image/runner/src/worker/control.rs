@@ -3,6 +3,7 @@
 
 use crate::quota::Usage;
 use crate::sys::Waker;
+use sandbox_runner::sync::{unpoisoned, LockExt as _};
 use sandbox_runner::{ExecRequest, JobId, RestoreStateRequest, SaveStateRequest, ToolResult};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
@@ -93,7 +94,7 @@ impl Control {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Queues a task that is not an exec.
@@ -203,12 +204,9 @@ impl Control {
     /// Blocks until an exec other than `last`, or the idle kernel, is to be watched.
     pub(crate) fn next_watch(&self, last: Option<JobId>) -> Watch {
         let st = self.lock();
-        let st = self
-            .watch_started
-            .wait_while(st, |st| {
-                st.watch.is_none_or(|(job, _)| Some(job) == last) && st.idle_watch.is_none()
-            })
-            .unwrap_or_else(|e| e.into_inner());
+        let st = unpoisoned(self.watch_started.wait_while(st, |st| {
+            st.watch.is_none_or(|(job, _)| Some(job) == last) && st.idle_watch.is_none()
+        }));
         match (st.watch, st.idle_watch) {
             (Some((job, base)), _) if Some(job) != last => Watch::Exec(job, base),
             (_, Some(base)) => Watch::Idle(base),
@@ -246,9 +244,6 @@ impl Control {
     /// Blocks until no exec is queued or running (each is bounded by its time limit).
     pub fn wait_idle(&self) {
         let st = self.lock();
-        let _st = self
-            .finished
-            .wait_while(st, |st| st.current.is_some())
-            .unwrap_or_else(|e| e.into_inner());
+        let _st = unpoisoned(self.finished.wait_while(st, |st| st.current.is_some()));
     }
 }
