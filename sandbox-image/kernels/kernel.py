@@ -20,7 +20,7 @@ reports each as a `display` event).
 A request with `tools` (a list of {"name", "description", "parameters"}) and `tool_socket` (the
 exec's tool socket) gets one `async def` per tool in the cell's globals, with a signature made
 from the tool's JSON Schema, and `ToolError`; they are removed again before the next cell
-(see "Tools" below).
+(see "Tools" in kernel_tools.py).
 
 Between cells the kernel cleans up after the one before: whatever the cell wrote is flushed
 to fds 1 and 2 (repaired if the cell closed or replaced them) before `done`, and exited
@@ -1138,7 +1138,7 @@ class Kernel:
             pass
 
     def install_tools(self, tools, socket_path):
-        """Replace the previous cell's tool functions by this cell's (see "Tools")."""
+        """Replace the previous cell's tool functions by this cell's (see "Tools" in kernel_tools.py)."""
         for name, obj in self.tool_globals.items():
             if self.ns.get(name) is obj:
                 del self.ns[name]
@@ -1337,7 +1337,7 @@ class Kernel:
         self.preload = preload
 
     def serve_state(self, req):
-        """A `save_state` or `restore_state` request (see "State"), run like a cell: in the
+        """A `save_state` or `restore_state` request (see "State" in kernel_state.py), run like a cell: in the
         workspace, with `__main__` in place, streams repaired after it."""
         saving = req.get("type") == "save_state"
         path, max_bytes = req.get("path"), req.get("max_bytes")

@@ -1,5 +1,5 @@
 //! Saving the kernel's globals before the sandbox goes, and loading them into the next
-//! sandbox's kernel (see `sandbox_runner::state` and `kernel.py`, "State"). Both are
+//! sandbox's kernel (see `sandbox_runner::state` and `kernel_state.py`, "State"). Both are
 //! requests to the idle kernel, answered by one event; the worker waits for it within the
 //! request's time bound, throwing away what the kernel prints meanwhile (pickling may run
 //! user code), and kills a kernel that does not answer in time.
