@@ -455,15 +455,45 @@ def fill_linecache(linecache):
         linecache.cache.setdefault(filename, entry)
 
 
+# The user site (PYTHONUSERBASE/lib/pythonX.Y/site-packages, where `pip install` puts a
+# session's packages: the image sets PIP_USER=1) is put on sys.path by `site` at start only if
+# it exists then. A session's first `pip install` makes it later, so ImportHooks looks for it
+# at each import of a top-level module not loaded yet (one isdir; nothing once it is added)
+# and adds it as `site` would have: before the system's site-packages, its .pth files read.
+# A package installed later into the existing directory needs nothing: the import system
+# lists the directory again when its mtime changes (a pip run takes far longer than the
+# clock tick of the coarsest file timestamps).
+PENDING_USER_SITE = []  # the user site while it is not on sys.path yet (set by main)
+
+
+def add_user_site():
+    try:
+        path = PENDING_USER_SITE.pop()  # first: the imports of .pth files come back here
+    except IndexError:  # another thread took it
+        return
+    site = sys.modules["site"]
+    n = len(sys.path)
+    site.addsitedir(path)  # appends it and what its .pth files name
+    first = [i for i, p in enumerate(sys.path[:n]) if p in site.getsitepackages()]
+    if first:
+        sys.path[first[0]:first[0]] = [sys.path.pop(n) for _ in range(len(sys.path) - n)]
+    import importlib
+
+    importlib.invalidate_caches()
+
+
 class ImportHooks:
     """A meta path finder that acts on the first import of a few modules, so that the kernel
     need not import them itself: it prepares MPLCONFIGDIR before matplotlib is imported,
     replaces pyplot.show once pyplot is loaded, hands linecache the cells' sources, and has
-    subprocess.Popen objects tracked (track_popen)."""
+    subprocess.Popen objects tracked (track_popen). It also puts the user site on sys.path
+    once it appears (add_user_site)."""
 
     prepared = False
 
     def find_spec(self, fullname, path=None, target=None):
+        if PENDING_USER_SITE and path is None and os.path.isdir(PENDING_USER_SITE[0]):
+            add_user_site()
         if fullname == "matplotlib":
             self.prepare_config()
             return None
@@ -1454,6 +1484,10 @@ def main():
     if sys.path and sys.path[0] == os.path.dirname(KERNEL_FILE):
         sys.path[0] = WORKDIR
     sys.meta_path.insert(0, ImportHooks())
+    site = sys.modules.get("site")  # none with python3 -S; no user site with -s or -I
+    user_site = getattr(site, "ENABLE_USER_SITE", False) and getattr(site, "USER_SITE", None)
+    if user_site and user_site not in sys.path:
+        PENDING_USER_SITE.append(user_site)
     kernel_module = sys.modules["__main__"]  # keeps this module alive once user code owns __main__
     kernel = Kernel(Channel(req_fd, evt_fd), streams)
     try:

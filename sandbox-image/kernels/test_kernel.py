@@ -1766,6 +1766,170 @@ def test_a_restore_stops_the_preload():
         shutil.rmtree(lib, ignore_errors=True)
 
 
+# -- packages installed mid-session -----------------------------------------------------------
+
+# What the image's ENV sets for pip (sandbox-image/Dockerfile); on a host the tests set it.
+PIP_ENV = {
+    "PIP_USER": "1",
+    "PIP_BREAK_SYSTEM_PACKAGES": "1",
+    "PIP_NO_CACHE_DIR": "1",
+    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    "PIP_NO_WARN_SCRIPT_LOCATION": "1",
+    "PIP_PROGRESS_BAR": "off",
+}
+IN_IMAGE = os.path.isdir("/opt/codebroker")
+
+# Defines USER_SITE (where pip --user installs, from PYTHONUSERBASE as site computes it) and
+# write_package(name, value): a package written there the way pip leaves one.
+USER_SITE_CELL = (
+    "import os, sys, site\n"
+    "USER_SITE = os.path.join(os.environ['PYTHONUSERBASE'], 'lib',\n"
+    "                         'python%d.%d' % sys.version_info[:2], 'site-packages')\n"
+    "def write_package(name, value):\n"
+    "    d = os.path.join(USER_SITE, name)\n"
+    "    os.makedirs(d, exist_ok=True)\n"
+    "    with open(os.path.join(d, '__init__.py'), 'w') as f:\n"
+    "        f.write('VALUE = %r\\n' % value)\n"
+    "print(USER_SITE == site.USER_SITE, os.path.isdir(USER_SITE), USER_SITE in sys.path)\n"
+)
+
+
+def test_a_package_installed_mid_session_imports_at_once():
+    base = tempfile.mkdtemp(prefix="cb-userbase-")
+    try:
+        with Kernel(env={"PYTHONUSERBASE": base}) as k:
+            # No user site at start: `site` left it off sys.path.
+            assert_ok(k.run(USER_SITE_CELL), "True False False\n")
+            # The first package creates it; the next statement of the same cell imports it,
+            # and a module in a directory a .pth file there names.
+            assert_ok(k.run(
+                "write_package('mypkg', 'one')\n"
+                "EXTRA = os.path.join(os.environ['PYTHONUSERBASE'], 'extra')\n"
+                "os.makedirs(EXTRA)\n"
+                "with open(os.path.join(EXTRA, 'pthmod.py'), 'w') as f:\n    f.write('X = 5\\n')\n"
+                "with open(os.path.join(USER_SITE, 'extra.pth'), 'w') as f:\n    f.write(EXTRA + '\\n')\n"
+                "import mypkg, pthmod\n"
+                "print(mypkg.VALUE, mypkg.__file__.startswith(USER_SITE), pthmod.X)"), "one True 5\n")
+            assert_ok(k.run("import mypkg\nprint(mypkg.VALUE)"), "one\n")
+            # Where `site` puts them at start: before the system's site-packages, once.
+            assert_ok(k.run(
+                "i = sys.path.index(USER_SITE)\n"
+                "print(sys.path.count(USER_SITE), sys.path.index(EXTRA) == i + 1, all(\n"
+                "      sys.path.index(p) > i + 1 for p in site.getsitepackages() if p in sys.path))"),
+                "1 True True\n")
+            # A second package into the directory that exists now, imported in the same
+            # cell, and a third imported in the next one. Its mtime tells the import system
+            # to list it again; the pause stands for pip's run (seconds), longer than the
+            # tick of the coarsest file timestamps, which could leave the mtime as it was.
+            assert_ok(k.run("import time\ntime.sleep(0.05)\nwrite_package('mypkg2', 'two')\n"
+                            "import mypkg2\nprint(mypkg2.VALUE)"), "two\n")
+            assert_ok(k.run("time.sleep(0.05)\nwrite_package('mypkg3', 'three')"), "")
+            assert_ok(k.run("import mypkg3\nprint(mypkg3.VALUE, sys.path.count(USER_SITE))"),
+                      "three 1\n")
+            # A module nobody installed is still not found, quietly.
+            code, out, err = k.run("import not_installed_anywhere")
+            assert code == 1 and "ModuleNotFoundError: No module named 'not_installed_anywhere'" in err, err
+        # A kernel started once the user site exists has it from the start.
+        with Kernel(env={"PYTHONUSERBASE": base}) as k:
+            assert_ok(k.run(USER_SITE_CELL + "import mypkg\nprint(mypkg.VALUE)"), "True True True\none\n")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wheel(directory, name, version, code):
+    """A minimal pure-Python wheel: the package, METADATA, WHEEL and RECORD."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = "%s-%s.dist-info" % (name, version)
+    files = {
+        "%s/__init__.py" % name: code,
+        "%s/METADATA" % info: "Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version),
+        "%s/WHEEL" % info: "Wheel-Version: 1.0\nGenerator: codebroker-test\nRoot-Is-Purelib: true\n"
+                           "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append("%s,sha256=%s,%d" % (path, digest, len(data)))
+    record.append("%s/RECORD,," % info)
+    files["%s/RECORD" % info] = "\n".join(record) + "\n"
+    path = os.path.join(directory, "%s-%s-py3-none-any.whl" % (name, version))
+    with zipfile.ZipFile(path, "w") as z:
+        for name_in_zip, text in files.items():
+            z.writestr(name_in_zip, text)
+    return path
+
+
+def test_pip_installs_a_wheel_offline_into_the_user_site_and_the_kernel_imports_it():
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode:
+        if IN_IMAGE:
+            raise AssertionError("the image has no pip")
+        skip("no pip")
+    base = tempfile.mkdtemp(prefix="cb-userbase-")
+    wheels = tempfile.mkdtemp(prefix="cb-wheel-")
+    try:
+        wheel = _wheel(wheels, "cbwheel", "1.0", "VALUE = 'from a wheel'\n")
+        env = {"PYTHONUSERBASE": base}
+        if not IN_IMAGE:
+            env.update(PIP_ENV)
+        else:  # the image's own ENV, as every sandbox gets it
+            assert {k: os.environ.get(k) for k in PIP_ENV} == PIP_ENV, os.environ
+        with Kernel(env=env) as k:
+            code, out, err = k.run(
+                "import os, subprocess, sys\n"
+                "r = subprocess.run([sys.executable, '-m', 'pip', 'install', '--no-index', %r],\n"
+                "                   capture_output=True, text=True)\n"
+                "print(r.returncode)\n"
+                "if r.returncode:\n    print(r.stdout, r.stderr)\n"
+                "import cbwheel\n"
+                "print(cbwheel.VALUE, cbwheel.__file__.startswith(%r))\n"
+                "print(repr(r.stderr))\n" % (wheel, base),
+                timeout=120,
+            )
+            assert code == 0 and out.splitlines()[:2] == ["0", "from a wheel True"], (code, out, err)
+            if IN_IMAGE:  # no warning (bin dir, version check, externally managed) either
+                assert out.splitlines()[2] == "''", out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(wheels, ignore_errors=True)
+
+
+def test_npm_installs_a_local_package_into_the_working_directory():
+    if shutil.which("npm") is None:
+        if IN_IMAGE:
+            raise AssertionError("the image has no npm")
+        skip("no npm")
+    if not IN_IMAGE:
+        skip("the image's npm (its wrapper and ENV) only")
+    top = tempfile.mkdtemp(prefix="cb-npm-")
+    try:
+        pkg, work = os.path.join(top, "pkg"), os.path.join(top, "work")
+        os.makedirs(pkg)
+        os.makedirs(work)
+        with open(os.path.join(pkg, "package.json"), "w") as f:
+            json.dump({"name": "cb-npm-check", "version": "1.0.0", "main": "index.js"}, f)
+        with open(os.path.join(pkg, "index.js"), "w") as f:
+            f.write("module.exports = 42;\n")
+
+        def npm(*args):
+            r = subprocess.run(["npm", *args], cwd=work, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, (args, r.stdout, r.stderr)
+            return r.stdout
+
+        assert npm("prefix").strip() == work
+        tarball = npm("pack", "--pack-destination", top, pkg).strip().splitlines()[-1]
+        npm("install", "--offline", os.path.join(top, tarball))
+        assert sorted(os.listdir(work)) == ["node_modules"], os.listdir(work)  # no package.json
+        r = subprocess.run(["node", "-e", "console.log(require('cb-npm-check'))"], cwd=work,
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout == "42\n", (r.stdout, r.stderr)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 # -- without pytest -----------------------------------------------------------------------------
 
 

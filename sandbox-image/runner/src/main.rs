@@ -1,11 +1,15 @@
 //! The runner: PID 1 of every sandbox container.
 //!
-//! Threads, all started once (a fork bomb may leave no room for new ones later):
+//! Threads, all started once (a fork bomb may leave no room for new ones later), but for
+//! those of egress connections:
 //! * the main thread reads frames from stdin, answers `hello` itself and hands execs and
 //!   cancels to the worker;
 //! * the worker runs one exec at a time, or waits with the idle Python kernel, in a
 //!   `ppoll` loop over the pipes of the exec and a wake-up pipe (see `worker`);
-//! * the reaper waits for every child and orphan (see `reaper`).
+//! * the reaper waits for every child and orphan (see `reaper`);
+//! * `egress` accepts connections on 127.0.0.1:3128, the in-container HTTP proxy, each
+//!   relayed to the broker's proxy socket by two threads of its own (or answered 403 when
+//!   egress is off); never fatal (see `egress`).
 //!
 //! Children run at nice 10 with an OOM score adjustment of 500, so that under a fork bomb
 //! or memory pressure the runner keeps the CPU it needs and is not the OOM killer's pick.
@@ -31,6 +35,7 @@
 mod capture;
 mod client;
 mod compile_cache;
+mod egress;
 mod frame;
 mod plan;
 mod quota;
@@ -155,6 +160,15 @@ fn seed_font_cache() {
     }
 }
 
+/// Links `TMP/node_modules` to the workspace's `node_modules`, where `npm install` puts the
+/// session's packages: programs run from `TMP/exec-*/`, and node looks for packages in the
+/// `node_modules` of each directory up from the program's (then in the image's
+/// `/node_modules`), for `require` and `import` alike. A dangling link (nothing installed
+/// yet) is passed over. Best effort, as the font cache.
+fn link_workspace_packages(tmp: &std::path::Path, workdir: &std::path::Path) {
+    let _ = std::os::unix::fs::symlink(workdir.join("node_modules"), tmp.join("node_modules"));
+}
+
 fn main() {
     // The client mode first, before anything that only PID 1 (or the agent) may do.
     let mut args = std::env::args_os();
@@ -185,10 +199,11 @@ fn main() {
     }
     close_inherited_fds_on_exec();
 
+    let cfg = Arc::new(Config::from_env(pid1));
     if pid1 {
         seed_font_cache();
+        link_workspace_packages(&cfg.tmp, &cfg.workdir);
     }
-    let cfg = Arc::new(Config::from_env(pid1));
     let chan = Arc::new(Channel::stdout());
     let (wake_r, wake_w) = match sys::pipe() {
         Ok(p) => p,
@@ -236,6 +251,9 @@ fn main() {
             fatal(&format!("cannot start the quota watcher: {e}"));
         }
     }
+
+    // Best effort: the runner works without it (see `egress`).
+    egress::start(pid1);
 
     let heard = Arc::new(Heard::new());
     if let Some(limit) = unattended_limit() {

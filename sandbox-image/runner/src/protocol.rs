@@ -29,6 +29,31 @@ pub const UNSOLICITED: JobId = 0;
 /// so a container whose broker never comes back ends itself instead of running forever.
 pub const UNATTENDED_EXIT_ENV: &str = "CODEBROKER_UNATTENDED_EXIT_MS";
 
+/// The port of the runner's egress forwarder, on 127.0.0.1 inside the container: where
+/// `HTTP_PROXY` and `HTTPS_PROXY` point (see [`EGRESS_PROXY_URL`]). The container has no
+/// network; with egress on, the broker bind-mounts a directory ([`EGRESS_SOCKET_DIR`]) holding
+/// its proxy's Unix socket and names the socket in [`EGRESS_SOCKET_ENV`]; the runner relays
+/// every connection on this port to it. With egress off, the runner answers each request with
+/// a 403 that says so.
+pub const EGRESS_PROXY_PORT: u16 = 3128;
+
+/// What the broker sets `HTTP_PROXY`, `HTTPS_PROXY`, `http_proxy` and `https_proxy` to in
+/// every container, egress on or off.
+pub const EGRESS_PROXY_URL: &str = "http://127.0.0.1:3128";
+
+/// What the broker sets `NO_PROXY` and `no_proxy` to: the container's own loopback.
+pub const EGRESS_NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
+/// The container environment variable naming the broker's proxy socket, set only when
+/// egress is on (to [`EGRESS_SOCKET_PATH`]).
+pub const EGRESS_SOCKET_ENV: &str = "CODEBROKER_EGRESS_SOCKET";
+
+/// The directory the broker bind-mounts into the container, holding the proxy socket.
+pub const EGRESS_SOCKET_DIR: &str = "/run/codebroker/egress";
+
+/// The proxy socket's path inside the container.
+pub const EGRESS_SOCKET_PATH: &str = "/run/codebroker/egress/proxy.sock";
+
 /// Longest frame either side accepts, in bytes. Output is capped well below this by the
 /// runner; a longer line means the peer is broken or hostile.
 pub const MAX_FRAME_BYTES: usize = 32 * 1024 * 1024;
@@ -505,6 +530,17 @@ pub struct WorkerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_egress_names_agree_with_each_other() {
+        assert_eq!(
+            EGRESS_PROXY_URL,
+            format!("http://127.0.0.1:{EGRESS_PROXY_PORT}")
+        );
+        let path = std::path::Path::new(EGRESS_SOCKET_PATH);
+        assert_eq!(path.parent(), Some(std::path::Path::new(EGRESS_SOCKET_DIR)));
+        assert!(EGRESS_NO_PROXY.split(',').any(|h| h == "127.0.0.1"));
+    }
 
     #[test]
     fn frames_are_compact_json_pairs() {
