@@ -19,7 +19,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers test-runsc test-runner-files test-k8s
+.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers registries test-runsc test-runner-files test-k8s
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -27,7 +27,7 @@ image:
 run: image
 	CODEBROKER_AUTH=$${CODEBROKER_AUTH:-none} $(CARGO) run --release -p codebroker
 
-test: image
+test: image registries
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p sandbox-runner --tests
 	$(CARGO) test -p codebroker --tests -- --test-threads=4
@@ -102,6 +102,13 @@ test-k8s: image
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:
 	.ci/leftovers
+
+# The package registries the egress suite starts on loopback (tests/common/registries.rs):
+# pypiserver in a virtualenv, verdaccio 6.8 from npm (later versions need Node 22).
+registries:
+	cd tests/registries && npm ci --no-audit --no-fund
+	test -x tests/registries/.venv/bin/pypi-server || { python3 -m venv tests/registries/.venv \
+		&& tests/registries/.venv/bin/pip install -q -r tests/registries/requirements.txt; }
 
 # kernel.py's own tests over its fd 3/fd 4 protocol, run in the image (its Python, numpy
 # and matplotlib) with the kernels directory mounted read-only: the tests are not shipped.

@@ -14,11 +14,13 @@ pub mod smoke;
 mod audit;
 mod clock;
 mod core;
+pub(crate) mod egress;
 mod http;
 mod identity;
 pub use identity::settle as settle_capabilities;
 mod mcp;
 mod metrics;
+pub(crate) mod net;
 mod render;
 mod sandbox;
 mod session;
@@ -72,7 +74,7 @@ pub async fn build(config: Config) -> anyhow::Result<Arc<Broker>> {
              run it as another uid (the broker image does)"
         );
     }
-    let broker = Arc::new(Broker::new(config, backend));
+    let broker = Arc::new(Broker::new(config, backend)?);
     broker
         .reconcile()
         .await
@@ -115,7 +117,9 @@ pub async fn run(
     });
     let mcp = mcp::router(&state);
     let app = http::router(state, mcp);
-    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "listening");
+    broker.guard_egress_port(addr.port());
     let limits = http::server::ServeLimits {
         max_connections: broker.config().caps.max_connections,
         max_connections_per_peer: broker.config().connections_per_peer(),

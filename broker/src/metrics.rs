@@ -49,6 +49,23 @@ pub(crate) struct DockerOpLabels {
     pub(crate) op: String,
 }
 
+/// Labels of one egress connection.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct EgressLabels {
+    /// `allowed` or `refused`.
+    pub(crate) verdict: String,
+    /// Why it was refused (`not_listed`, `not_public`, `ip_literal`, a cap, ...), or why an
+    /// allowed one ended early (`exec_bytes`, `session_bytes`); empty otherwise.
+    pub(crate) reason: String,
+}
+
+/// Labels of egress bytes.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct DirectionLabels {
+    /// `up` (from the sandbox) or `down` (to it).
+    pub(crate) direction: String,
+}
+
 fn exec_histogram() -> Histogram {
     // 5 ms to about 80 s.
     Histogram::new(exponential_buckets(0.005, 2.0, 15))
@@ -85,6 +102,11 @@ pub(crate) struct Metrics {
     compile_cache: Family<CacheLabels, Counter>,
     /// Failed engine calls by operation: an engine in trouble shows here.
     docker_errors: Family<DockerOpLabels, Counter>,
+    /// Connections through the egress proxy by verdict and reason: what sandboxes try to
+    /// reach and what the allowlist refuses.
+    egress_connections: Family<EgressLabels, Counter>,
+    /// Bytes through the egress proxy, by direction.
+    egress_bytes: Family<DirectionLabels, Counter>,
 }
 
 impl Metrics {
@@ -106,6 +128,8 @@ impl Metrics {
         let auth_failures = Counter::default();
         let sandboxes_removed = Family::<ReasonLabels, Counter>::default();
         let compile_cache = Family::<CacheLabels, Counter>::default();
+        let egress_connections = Family::<EgressLabels, Counter>::default();
+        let egress_bytes = Family::<DirectionLabels, Counter>::default();
         registry.register("sessions", "Sessions known", sessions.clone());
         registry.register(
             "containers",
@@ -159,6 +183,16 @@ impl Metrics {
             "Compiled programs by compile-cache outcome (hit, miss)",
             compile_cache.clone(),
         );
+        registry.register(
+            "egress_connections",
+            "Connections through the egress proxy by verdict (allowed, refused) and reason",
+            egress_connections.clone(),
+        );
+        registry.register(
+            "egress_bytes",
+            "Bytes through the egress proxy by direction (up, down)",
+            egress_bytes.clone(),
+        );
         Metrics {
             registry,
             sessions,
@@ -174,6 +208,28 @@ impl Metrics {
             sandboxes_removed,
             compile_cache,
             docker_errors,
+            egress_connections,
+            egress_bytes,
+        }
+    }
+
+    /// One connection through the egress proxy: its verdict, why (when refused or cut), and
+    /// the bytes it moved.
+    pub(crate) fn egress(&self, verdict: &str, reason: &str, up: u64, down: u64) {
+        self.egress_connections
+            .get_or_create(&EgressLabels {
+                verdict: verdict.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+        for (direction, bytes) in [("up", up), ("down", down)] {
+            if bytes > 0 {
+                self.egress_bytes
+                    .get_or_create(&DirectionLabels {
+                        direction: direction.to_string(),
+                    })
+                    .inc_by(bytes);
+            }
         }
     }
 

@@ -9,6 +9,7 @@
 pub mod child;
 pub mod docker;
 pub mod jwt;
+pub mod registries;
 
 // Re-exported where the suites have always found them; not every suite uses each.
 #[allow(unused_imports)]
@@ -22,6 +23,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A listener `start_knowing_port` bound, for the next broker this thread serves.
+static NEXT_LISTENER: std::sync::Mutex<Option<tokio::net::TcpListener>> =
+    std::sync::Mutex::new(None);
 
 /// A broker served in the test process on a port of its own.
 pub struct TestBroker {
@@ -76,6 +81,20 @@ impl TestBroker {
         broker
     }
 
+    /// A broker whose configuration `adjust` may change knowing the port it will listen
+    /// on (a setting that names the broker's own port).
+    pub async fn start_knowing_port(
+        tag: &str,
+        adjust: impl FnOnce(&mut Config, u16),
+    ) -> TestBroker {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        *NEXT_LISTENER.lock().expect("listener slot") = Some(listener);
+        Self::start_with(tag, |c| adjust(c, port)).await
+    }
+
     /// A broker on exactly this configuration (for restarts on the same data).
     pub async fn serve(config: Config) -> TestBroker {
         // Broker logs show with a failing test's output (RUST_LOG to change the level).
@@ -99,9 +118,13 @@ impl TestBroker {
         let instance = config.sandbox.instance.clone();
         let data = config.data_dir.clone();
         let pooled = config.pool.pool_size > 0;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
+        let bound = NEXT_LISTENER.lock().expect("listener slot").take();
+        let listener = match bound {
+            Some(listener) => listener,
+            None => tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind"),
+        };
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         let broker = codebroker::build(config).await.expect("broker builds");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

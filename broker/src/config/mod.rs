@@ -37,12 +37,14 @@ pub enum LogFormat {
 
 mod access;
 mod caps;
+mod egress;
 mod exec;
 mod sandbox;
 mod units;
 
 pub use access::*;
 pub use caps::*;
+pub use egress::*;
 pub use exec::*;
 pub use sandbox::*;
 pub(crate) use units::*;
@@ -161,6 +163,10 @@ pub struct Config {
     #[command(flatten)]
     pub code_mode: CodeModeConfig,
 
+    /// Egress: the hosts sandboxes may reach through the broker's proxy, and its caps.
+    #[command(flatten)]
+    pub egress: EgressConfig,
+
     /// Log format: `text` or `json`.
     #[arg(
         long,
@@ -252,8 +258,43 @@ impl Config {
         if self.backend == BackendKind::Kubernetes {
             self.validate_kubernetes()?;
         }
+        self.validate_egress()?;
         self.validate_sandbox_uids()?;
         self.validate_codemode_mcp_uid()
+    }
+
+    /// The egress allowlist and pins parse, the registries are URLs, and the backend can
+    /// carry egress (Docker: a socket per sandbox, mounted).
+    fn validate_egress(&self) -> Result<(), InvalidConfig> {
+        let egress = &self.egress;
+        crate::egress::policy::EgressPolicy::from_settings(&egress.egress, &egress.egress_resolve)
+            .map_err(|reason| InvalidConfig::new("CODEBROKER_EGRESS", reason))?;
+        for (setting, url) in [
+            ("CODEBROKER_PIP_INDEX_URL", &egress.pip_index_url),
+            ("CODEBROKER_NPM_REGISTRY", &egress.npm_registry),
+        ] {
+            let url = url.trim();
+            if url.is_empty() {
+                continue;
+            }
+            match reqwest::Url::parse(url) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some() => {}
+                _ => {
+                    return Err(InvalidConfig::new(
+                        setting,
+                        format!("{setting} must be an http:// or https:// URL, not {url:?}"),
+                    ))
+                }
+            }
+        }
+        if egress.is_on() && self.backend == BackendKind::Kubernetes {
+            return Err(InvalidConfig::new(
+                "CODEBROKER_EGRESS",
+                "CODEBROKER_EGRESS needs CODEBROKER_BACKEND=docker: the Kubernetes backend \
+                 does not carry sandbox egress yet",
+            ));
+        }
+        Ok(())
     }
 
     /// A cap on live containers that the uid range could not serve would refuse sandboxes

@@ -30,6 +30,7 @@ use crate::config::Config;
 use crate::core::limits::Limits;
 use crate::sandbox::SandboxBackend;
 use crate::session::{Pool, Registry};
+use anyhow::Context as _;
 use std::sync::Arc;
 
 /// The broker: configuration, the engine, the sessions and the pool.
@@ -49,16 +50,34 @@ pub struct Broker {
     /// Prometheus counters and gauges (`/metrics`), bumped here and by the handlers.
     metrics: Arc<crate::metrics::Metrics>,
     /// The JSONL audit log (`CODEBROKER_AUDIT_LOG`), for tracing who ran what.
-    audit: crate::audit::Audit,
+    audit: Arc<crate::audit::Audit>,
+    /// The egress gateway: the policy and caps of the sandboxes' proxy connections, each
+    /// counted against the exec running in its sandbox.
+    egress: Arc<crate::egress::gateway::Gateway>,
     /// Programmatic runs parked between their clients' requests.
     programmatic: Arc<programmatic::ParkedRuns>,
 }
 
 impl Broker {
-    pub(crate) fn new(config: Arc<Config>, backend: Arc<SandboxBackend>) -> Broker {
+    pub(crate) fn new(config: Arc<Config>, backend: Arc<SandboxBackend>) -> anyhow::Result<Broker> {
         let metrics = Arc::new(crate::metrics::Metrics::new());
         backend.engine().observe(metrics.clone());
-        Broker {
+        let audit = Arc::new(crate::audit::Audit::open(
+            &config.audit_log,
+            config.audit_code,
+        ));
+        let records = Arc::new(crate::core::observe::EgressRecords {
+            metrics: metrics.clone(),
+            audit: audit.clone(),
+        });
+        // Checked by `Config::validate`: a policy that does not parse stops the start there.
+        let egress =
+            crate::egress::gateway::Gateway::new(&config.egress, &config.data_dir, records)
+                .map_err(|e| anyhow::anyhow!(e))
+                .context("CODEBROKER_EGRESS")?;
+        let egress = Arc::new(egress);
+        backend.engine().carry_egress(egress.clone());
+        Ok(Broker {
             registry: Registry::new(
                 &config.data_dir,
                 crate::http::auth::sole_tenant(&config).map(|t| t.0),
@@ -71,12 +90,13 @@ impl Broker {
                 backend.engine().host_memory(),
             ),
             metrics,
-            audit: crate::audit::Audit::open(&config.audit_log, config.audit_code),
+            audit,
+            egress,
             backend,
             config,
             libraries: tokio::sync::OnceCell::new(),
             programmatic: Arc::default(),
-        }
+        })
     }
 
     /// The image's package list, read once.

@@ -7,6 +7,7 @@ use crate::core::{ExecInput, ExecOutput};
 use crate::metrics::{limit_kind, Metrics};
 use crate::session::Session;
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What watches execs: told once how each ended.
@@ -211,6 +212,55 @@ pub(crate) fn observe_files(
         record["bytes"] = json!(bytes);
     }
     audit.record(event.name(), record);
+}
+
+/// Every connection through the egress proxy: counted on `/metrics` (verdict, reason,
+/// bytes) and one audit record (who, where to, what it moved, the verdict).
+pub(crate) struct EgressRecords {
+    /// The broker's metrics.
+    pub(crate) metrics: Arc<Metrics>,
+    /// The broker's audit log.
+    pub(crate) audit: Arc<Audit>,
+}
+
+impl crate::egress::gateway::EgressObserver for EgressRecords {
+    fn connection(
+        &self,
+        exec: Option<&crate::egress::gateway::ExecEgress>,
+        outcome: &crate::egress::proxy::Outcome,
+    ) {
+        let (verdict, reason) = match (outcome.address.is_some(), outcome.verdict) {
+            (_, "allowed") => ("allowed", ""),
+            // Connected, then cut by a cap.
+            (true, cap @ ("exec_bytes" | "session_bytes"))
+                if outcome.bytes_down + outcome.bytes_up > 0 =>
+            {
+                ("allowed", cap)
+            }
+            (_, reason) => ("refused", reason),
+        };
+        self.metrics
+            .egress(verdict, reason, outcome.bytes_up, outcome.bytes_down);
+        if verdict == "refused" {
+            tracing::info!(host = %outcome.host, port = outcome.port, reason, "egress refused");
+        }
+        self.audit.record(
+            "egress",
+            json!({
+                "user": exec.and_then(|e| e.user.as_deref()),
+                "tenant": exec.and_then(|e| e.tenant.as_deref()),
+                "session": exec.map(|e| e.session.as_str()),
+                "method": outcome.method,
+                "host": outcome.host,
+                "port": outcome.port,
+                "address": outcome.address.map(|a| a.to_string()),
+                "verdict": verdict,
+                "reason": (!reason.is_empty()).then_some(reason),
+                "bytes_up": outcome.bytes_up,
+                "bytes_down": outcome.bytes_down,
+            }),
+        );
+    }
 }
 
 /// The engine's failed calls are counted on `/metrics`.

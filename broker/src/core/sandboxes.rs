@@ -212,6 +212,15 @@ impl Broker {
             self.backend.engine().remove(&container.id).await;
             removed += 1;
         }
+        // The sockets of containers that are gone (the pool's included) go with them.
+        let live: Vec<String> = self
+            .registry
+            .all()
+            .iter()
+            .filter_map(|s| s.sandbox())
+            .filter_map(|s| s.egress().map(|e| e.name().to_string()))
+            .collect();
+        self.egress.sweep(&live);
         tracing::info!(sessions = loaded, adopted, removed, "reconciled containers");
         Ok(())
     }

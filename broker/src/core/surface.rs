@@ -135,6 +135,11 @@ impl Broker {
         }
     }
 
+    /// Once the broker listens on `port`: the egress proxy never leads there.
+    pub(crate) fn guard_egress_port(&self, port: u16) {
+        self.egress.guard_broker_port(port);
+    }
+
     /// Runs the pool's refiller until `stop`.
     pub(crate) async fn run_refiller(&self, stop: tokio_util::sync::CancellationToken) {
         self.pool

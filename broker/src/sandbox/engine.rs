@@ -85,6 +85,10 @@ pub(crate) trait SandboxEngine: Send + Sync {
     /// Who hears of failed engine calls (the broker's metrics); set once, at start.
     fn observe(&self, _observer: Arc<dyn EngineObserver>) {}
 
+    /// The egress gateway its sandboxes' proxy connections go to; set once, at start. An
+    /// engine that cannot carry them ignores it (the configuration refuses egress there).
+    fn carry_egress(&self, _gateway: Arc<crate::egress::gateway::Gateway>) {}
+
     /// How files reach this engine's sandboxes.
     fn file_transport(&self) -> FileTransport;
 

@@ -65,6 +65,8 @@ pub(crate) mod labels {
     pub(crate) const CREATED: &str = "codebroker.created";
     /// The uid the container's code runs as, so that a restarted broker holds it again.
     pub(crate) const UID: &str = "codebroker.uid";
+    /// The name of the container's egress socket, so that a restarted broker serves it again.
+    pub(crate) const EGRESS: &str = "codebroker.egress";
 }
 
 /// What a new sandbox's runner does before its first exec.
@@ -96,6 +98,9 @@ pub(crate) struct Sandbox {
     /// The runner reported a process killed for memory in one of its execs: a cluster
     /// marks the container `OOMKilled` from then on, however it ends later.
     oom_killed_before: std::sync::atomic::AtomicBool,
+    /// Its egress socket when egress is on: served while the sandbox lives, its connections
+    /// counted against the exec under way.
+    egress: Option<std::sync::Arc<crate::egress::gateway::SandboxEgress>>,
 }
 
 impl Sandbox {
@@ -104,7 +109,22 @@ impl Sandbox {
             container_id,
             channel,
             oom_killed_before: std::sync::atomic::AtomicBool::new(false),
+            egress: None,
         }
+    }
+
+    /// The sandbox with its egress socket.
+    pub(crate) fn with_egress(
+        mut self,
+        egress: Option<std::sync::Arc<crate::egress::gateway::SandboxEgress>>,
+    ) -> Sandbox {
+        self.egress = egress;
+        self
+    }
+
+    /// Its egress socket, when egress is on.
+    pub(crate) fn egress(&self) -> Option<&std::sync::Arc<crate::egress::gateway::SandboxEgress>> {
+        self.egress.as_ref()
     }
 
     /// A sandbox of ours re-attached after a broker restart, once its runner is idle: it

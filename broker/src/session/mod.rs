@@ -78,6 +78,9 @@ pub(crate) struct Session {
     /// (`Broker::make_room`). Dropping a guard lets its work go; each also has its own
     /// deadline.
     after_exec: Mutex<Vec<DropGuard>>,
+    /// Bytes its execs moved through the egress proxy, against the per-session cap (kept
+    /// across its containers; a restarted broker starts it again at 0).
+    egress_bytes: Arc<AtomicU64>,
 }
 
 impl Session {
@@ -100,7 +103,13 @@ impl Session {
             uses: AtomicU64::new(0),
             execs: AtomicU64::new(0),
             after_exec: Mutex::new(Vec::new()),
+            egress_bytes: Arc::default(),
         }
+    }
+
+    /// What its execs moved through the egress proxy so far (shared with their budgets).
+    pub(crate) fn egress_bytes(&self) -> Arc<AtomicU64> {
+        self.egress_bytes.clone()
     }
 
     /// The session id.

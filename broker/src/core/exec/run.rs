@@ -147,6 +147,16 @@ impl Broker {
         // Calls to tools the code was not given are answered here, never sent on.
         let (refusals_tx, refusals) = mpsc::unbounded_channel::<ToolResult>();
         let mut router = EventRouter::new(known, calls, refusals_tx, DisplayBudget::of(&request));
+        // The sandbox's proxy connections count against this exec while it runs.
+        let _egress = sandbox.egress().map(|egress| {
+            let (tenant, user) = session.owner_key();
+            egress.begin_exec(crate::egress::gateway::ExecEgress {
+                session: session.id().to_string(),
+                user,
+                tenant,
+                budget: self.egress.exec_budget(session.egress_bytes()),
+            })
+        });
         let job = sandbox.new_job();
         let guard = CancelOnDrop {
             sandbox: Some(sandbox.clone()),

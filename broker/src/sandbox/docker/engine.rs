@@ -68,6 +68,10 @@ impl SandboxEngine for DockerBackend {
         let _ = self.observer.set(observer);
     }
 
+    fn carry_egress(&self, gateway: Arc<crate::egress::gateway::Gateway>) {
+        let _ = self.egress.set(gateway);
+    }
+
     fn file_transport(&self) -> FileTransport {
         match self.file_transfer() {
             FileTransfer::Host => FileTransport::Host,

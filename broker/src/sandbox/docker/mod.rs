@@ -73,6 +73,9 @@ pub(crate) struct DockerBackend {
     /// Told of failed Engine API calls (the broker's metrics), so that an engine in
     /// trouble shows on `/metrics`; unset until the broker installs it.
     pub(super) observer: std::sync::OnceLock<Arc<dyn EngineObserver>>,
+    /// Where the sandboxes' proxy connections go (a socket per sandbox, mounted) and what
+    /// their environment says of it; unset until the broker installs it.
+    pub(super) egress: std::sync::OnceLock<Arc<crate::egress::gateway::Gateway>>,
     /// The Docker host's memory in bytes (`docker info`), what CODEBROKER_MAX_CONTAINERS
     /// `auto` is made from; `None` when the engine does not say. The broker may itself
     /// run in a container, so its own view of memory is not the host's.
@@ -170,6 +173,7 @@ impl DockerBackend {
             profile,
             idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
+            egress: std::sync::OnceLock::new(),
             host_memory,
             seccomp,
             cpu_weight_settable: AtomicBool::new(!is_gvisor(&profile_runtime)),
@@ -240,9 +244,16 @@ impl DockerBackend {
             .await
         };
         let t_hand = t0.elapsed();
+        let egress = match self.open_egress(&crate::ids::new_id()) {
+            Ok(egress) => egress,
+            Err(err) => {
+                self.uids.untake(uid);
+                return Err(err);
+            }
+        };
         let created = match handed {
             Ok(Ok(())) => {
-                let body = self.container_body(session_id, workspace, uid);
+                let body = self.container_body(session_id, workspace, uid, egress.as_deref());
                 self.docker
                     .create_container(
                         None::<bollard::query_parameters::CreateContainerOptions>,
@@ -278,7 +289,7 @@ impl DockerBackend {
                 .inspect_err(|_| self.failed("start"))
                 .context("docker start failed")?;
             let t_start = t0.elapsed();
-            let sandbox = Sandbox::new(id.clone(), channel);
+            let sandbox = Sandbox::new(id.clone(), channel).with_egress(egress);
             tokio::time::timeout(HELLO_TIMEOUT, sandbox.hello(warmup))
                 .await
                 .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
@@ -330,8 +341,40 @@ impl DockerBackend {
 
     /// Re-attaches to a running container of ours (after a broker restart).
     pub(crate) async fn adopt(&self, container_id: &str) -> anyhow::Result<Sandbox> {
+        // Its egress socket is served again at the path the container mounts.
+        let egress_name = self
+            .docker
+            .inspect_container(
+                container_id,
+                None::<bollard::query_parameters::InspectContainerOptions>,
+            )
+            .await
+            .inspect_err(|_| self.failed("inspect"))
+            .context("docker inspect failed")?
+            .config
+            .and_then(|c| c.labels)
+            .and_then(|l| l.get(labels::EGRESS).cloned());
+        let egress = match egress_name {
+            Some(name) => self.open_egress(&name)?,
+            None => None,
+        };
         let channel = self.attach_channel(container_id).await?;
-        Sandbox::adopted(container_id.to_string(), channel, HELLO_TIMEOUT).await
+        let sandbox = Sandbox::adopted(container_id.to_string(), channel, HELLO_TIMEOUT).await?;
+        Ok(sandbox.with_egress(egress))
+    }
+
+    /// The egress socket `name` of a new or adopted sandbox, when egress is on.
+    fn open_egress(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<Option<Arc<crate::egress::gateway::SandboxEgress>>> {
+        match self.egress.get() {
+            Some(gateway) if gateway.is_on() => gateway
+                .open(name)
+                .map(Some)
+                .with_context(|| format!("cannot open the egress socket {name}")),
+            _ => Ok(None),
+        }
     }
 
     async fn attach_channel(&self, id: &str) -> anyhow::Result<RunnerChannel> {
@@ -607,6 +650,7 @@ mod tests {
             profile: config.sandbox,
             idle_ttl_secs: config.lifecycle.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
+            egress: std::sync::OnceLock::new(),
             host_memory: None,
             cpu_weight_settable: AtomicBool::new(true),
         }
@@ -688,6 +732,7 @@ mod tests {
             "s",
             &Workspace::new(Path::new("/data"), "s"),
             200_123,
+            None,
         );
         let host = body.host_config.expect("host config");
         assert_eq!(host.runtime, None, "the daemon's default runtime");
@@ -720,8 +765,12 @@ mod tests {
         assert_eq!(host.cpu_shares, None, "the engine's default weight");
 
         config.sandbox.runtime = " runsc ".into();
-        let body =
-            backend(config).container_body("s", &Workspace::new(Path::new("/data"), "s"), 10001);
+        let body = backend(config).container_body(
+            "s",
+            &Workspace::new(Path::new("/data"), "s"),
+            10001,
+            None,
+        );
         assert_eq!(
             body.host_config.expect("host config").runtime.as_deref(),
             Some("runsc")
@@ -733,8 +782,12 @@ mod tests {
         let mut config = Config::for_tests("/data".into(), "t");
         config.sandbox.drop_capabilities = false;
         config.sandbox.seccomp = SeccompChoice::Daemon;
-        let body =
-            backend(config).container_body("s", &Workspace::new(Path::new("/data"), "s"), 10001);
+        let body = backend(config).container_body(
+            "s",
+            &Workspace::new(Path::new("/data"), "s"),
+            10001,
+            None,
+        );
         let host = body.host_config.expect("host config");
         assert_eq!(host.cap_drop, None);
         assert_eq!(

@@ -11,18 +11,33 @@ impl DockerBackend {
         session_id: &str,
         workspace: &Workspace,
         uid: u32,
+        egress: Option<&crate::egress::gateway::SandboxEgress>,
     ) -> ContainerCreateBody {
         let c = &self.profile;
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let labels = HashMap::from([
+        let mut labels = HashMap::from([
             (labels::INSTANCE.to_string(), c.instance.clone()),
             (labels::SESSION.to_string(), session_id.to_string()),
             (labels::CREATED.to_string(), created.to_string()),
             (labels::UID.to_string(), uid.to_string()),
         ]);
+        let mut binds = vec![
+            format!("{}:{WORKDIR}:rw", workspace.files_dir().display()),
+            format!("{}:/etc/passwd:ro", workspace.sandbox_passwd().display()),
+            format!("{}:/etc/group:ro", workspace.sandbox_group().display()),
+        ];
+        if let Some(egress) = egress {
+            // The directory of its proxy socket, read-only: connecting needs no write.
+            binds.push(format!(
+                "{}:{}:ro",
+                egress.dir().display(),
+                crate::egress::gateway::SANDBOX_DIR
+            ));
+            labels.insert(labels::EGRESS.to_string(), egress.name().to_string());
+        }
         // Bounded at parse (at most 1 TiB), so this cannot overflow.
         let memory = i64::try_from(c.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
         let tmpfs = HashMap::from([
@@ -49,11 +64,7 @@ impl DockerBackend {
             hard: Some(value),
         };
         let host_config = HostConfig {
-            binds: Some(vec![
-                format!("{}:{WORKDIR}:rw", workspace.files_dir().display()),
-                format!("{}:/etc/passwd:ro", workspace.sandbox_passwd().display()),
-                format!("{}:/etc/group:ro", workspace.sandbox_group().display()),
-            ]),
+            binds: Some(binds),
             network_mode: Some(if c.network_none { "none" } else { "bridge" }.to_string()),
             cap_drop: c.drop_capabilities.then(|| vec!["ALL".to_string()]),
             // Whatever the capabilities: setuid binaries and file capabilities in the
@@ -91,23 +102,7 @@ impl DockerBackend {
             image: Some(c.image.clone()),
             user: Some(format!("{uid}:{uid}")),
             working_dir: Some(WORKDIR.to_string()),
-            env: Some(vec![
-                format!("HOME={WORKDIR}"),
-                // The uid has no entry in the image's /etc/passwd: the name is what
-                // programs that ask (Python's getpass) read instead.
-                "USER=sandbox".to_string(),
-                "LOGNAME=sandbox".to_string(),
-                // The runner watches the workspace against these during each exec.
-                format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
-                format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
-                // A kept container whose broker never comes back ends itself after the
-                // idle TTL, as the reaper would have removed it.
-                format!(
-                    "{}={}",
-                    sandbox_runner::UNATTENDED_EXIT_ENV,
-                    unattended_exit_ms(self.idle_ttl_secs)
-                ),
-            ]),
+            env: Some(self.sandbox_env()),
             open_stdin: Some(true),
             stdin_once: Some(false),
             attach_stdin: Some(true),
@@ -119,6 +114,34 @@ impl DockerBackend {
             host_config: Some(host_config),
             ..Default::default()
         }
+    }
+
+    /// The environment of every sandbox: its home and user, the limits the runner watches,
+    /// its unattended limit, and what the egress gateway says (its proxy; with egress on,
+    /// its socket and registries).
+    fn sandbox_env(&self) -> Vec<String> {
+        let c = &self.profile;
+        let mut env = vec![
+            format!("HOME={WORKDIR}"),
+            // The uid has no entry in the image's /etc/passwd: the name is what
+            // programs that ask (Python's getpass) read instead.
+            "USER=sandbox".to_string(),
+            "LOGNAME=sandbox".to_string(),
+            // The runner watches the workspace against these during each exec.
+            format!("CODEBROKER_WORKSPACE_QUOTA={}", c.workspace_quota),
+            format!("CODEBROKER_WORKSPACE_MAX_FILES={}", c.workspace_max_files),
+            // A kept container whose broker never comes back ends itself after the
+            // idle TTL, as the reaper would have removed it.
+            format!(
+                "{}={}",
+                sandbox_runner::UNATTENDED_EXIT_ENV,
+                unattended_exit_ms(self.idle_ttl_secs)
+            ),
+        ];
+        if let Some(gateway) = self.egress.get() {
+            env.extend(gateway.sandbox_env());
+        }
+        env
     }
 }
 

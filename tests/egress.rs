@@ -1,0 +1,498 @@
+//! Package installs through the egress proxy, against real registries on loopback
+//! (pypiserver, verdaccio, an HTTPS server with a test CA), real pip and npm in the real
+//! sandbox image, and the attacks SECURITY.md lists for the path. The sandbox keeps
+//! `NetworkMode=none` throughout: every byte goes through the runner's forwarder and the
+//! broker's proxy.
+
+mod common;
+
+use common::registries::{self, Server};
+use common::*;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// The registries of one test, on loopback, with their names as the sandbox uses them.
+struct Registries {
+    /// Wheels and verdaccio's storage.
+    _home: tempfile::TempDir,
+    pypi: Server,
+    npm: Server,
+    tls: Server,
+    /// The test CA's certificate, which the sandbox's client is given.
+    ca: String,
+}
+
+async fn registries() -> Registries {
+    let home = tempfile::tempdir().expect("tempdir");
+    let wheels = home.path().join("wheels");
+    std::fs::create_dir_all(&wheels).expect("wheels");
+    registries::build_wheel(&wheels, "cbdemo", "1.0", "installed through the proxy", 0);
+    // The size the issue measures an install at.
+    registries::build_wheel(&wheels, "cbbig", "1.0", "ten MiB", 10 << 20);
+    let pypi = registries::pypiserver(&wheels);
+    let npm_home = home.path().join("verdaccio");
+    std::fs::create_dir_all(&npm_home).expect("verdaccio home");
+    let npm = registries::verdaccio(&npm_home);
+    registries::publish_npm(&npm_home, npm.port, "cbdemo-npm", "from verdaccio").await;
+    let tls_home = home.path().join("tls");
+    std::fs::create_dir_all(&tls_home).expect("tls home");
+    let (tls, ca) = registries::tls_server(&tls_home, "tls.test", "hello over tls");
+    Registries {
+        _home: home,
+        pypi,
+        npm,
+        tls,
+        ca,
+    }
+}
+
+impl Registries {
+    /// CODEBROKER_EGRESS: the three servers by name, `localhost` (which resolves to
+    /// loopback and must stay refused), and the broker's port by name and by address.
+    fn egress(&self) -> String {
+        format!(
+            "pypi.test:{},npm.test:{},tls.test:{},localhost,broker.test:{BROKER_PORT_MARK},127.0.0.1:{BROKER_PORT_MARK}",
+            self.pypi.port, self.npm.port, self.tls.port
+        )
+    }
+}
+
+/// Stands for the broker's port in the allowlist until it is known (the broker binds
+/// port 0; the test rewrites the list once it listens).
+const BROKER_PORT_MARK: &str = "1";
+
+fn egress_config(c: &mut codebroker::config::Config, regs: &Registries) {
+    c.egress.egress = regs.egress();
+    c.egress.egress_resolve =
+        "pypi.test=127.0.0.1,npm.test=127.0.0.1,tls.test=127.0.0.1,broker.test=127.0.0.1".into();
+    c.egress.pip_index_url = format!("http://pypi.test:{}/simple/", regs.pypi.port);
+    c.egress.npm_registry = format!("http://npm.test:{}/", regs.npm.port);
+    c.audit_log = c.data_dir.join("audit.jsonl").display().to_string();
+}
+
+/// Python that asks the sandbox's proxy to CONNECT to each target and prints each status
+/// line (what a client of the proxy reads).
+fn connect_probe(targets: &[String]) -> String {
+    format!(
+        r#"
+import socket
+def ask(target):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+    data = b""
+    while b"\r\n" not in data:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    return data.split(b"\r\n")[0].decode()
+for t in {targets:?}:
+    print(t, "->", ask(t))
+"#
+    )
+}
+
+fn pip(args: &str) -> String {
+    format!(
+        "import subprocess, sys\n\
+         r = subprocess.run([sys.executable, '-m', 'pip', {args}], capture_output=True, text=True)\n\
+         print('pip exit', r.returncode)\n\
+         print(r.stdout[-2000:])\n\
+         print(r.stderr[-2000:])\n"
+    )
+}
+
+fn audit_records(broker: &TestBroker) -> Vec<Value> {
+    let text = std::fs::read_to_string(broker.data.join("audit.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|r| r["event"] == "egress")
+        .collect()
+}
+
+#[tokio::test]
+async fn pip_installs_into_the_session_from_an_allowed_index_and_the_kernel_imports_it() {
+    let regs = registries().await;
+    let broker = TestBroker::start_with("egress-pip", |c| egress_config(c, &regs)).await;
+
+    // Installed and imported in one cell, in the same kernel.
+    let code = pip("'install', 'cbdemo'") + "import cbdemo\nprint('VALUE', cbdemo.VALUE)\n";
+    let first = broker.run("py", &code, None).await;
+    let out = stdout(&first);
+    assert!(out.contains("pip exit 0"), "{first}");
+    assert!(out.contains("VALUE installed through the proxy"), "{first}");
+    let session = session(&first);
+    // Hidden from the harvest: nothing of the install comes back as a file.
+    assert_eq!(first["files"], json!([]), "{first}");
+
+    // `pip install --user` and the next cell see it too.
+    let again = broker
+        .run(
+            "py",
+            &(pip("'install', '--user', 'cbdemo'") + "import cbdemo\nprint(cbdemo.VALUE)\n"),
+            Some(&session),
+        )
+        .await;
+    assert!(
+        stdout(&again).contains("installed through the proxy"),
+        "{again}"
+    );
+
+    // Also from the shell, and the file listing shows none of it.
+    let listed = broker
+        .get(&format!("/files/{session}?detail=full"))
+        .await
+        .text()
+        .await
+        .expect("listing");
+    assert!(
+        !listed.contains(".local") && !listed.contains("cbdemo"),
+        "{listed}"
+    );
+
+    // The container goes (as after the idle TTL); the install stays with the session.
+    let container = docker::container_of(&broker.instance, &session);
+    docker::docker(&["rm", "-f", &container]);
+    let replaced = broker
+        .run(
+            "py",
+            "import cbdemo\nprint('still', cbdemo.VALUE)",
+            Some(&session),
+        )
+        .await;
+    assert!(
+        stdout(&replaced).contains("still installed through the proxy"),
+        "{replaced}"
+    );
+
+    // A new session does not have it.
+    let other = broker
+        .run(
+            "py",
+            "try:\n    import cbdemo\n    print('present')\nexcept ImportError:\n    print('absent')",
+            None,
+        )
+        .await;
+    assert_eq!(stdout(&other).trim(), "absent", "{other}");
+
+    // Every connection is in the audit log with where it went and what it moved.
+    let records = audit_records(&broker);
+    let allowed: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["verdict"] == "allowed" && r["host"] == "pypi.test")
+        .collect();
+    assert!(!allowed.is_empty(), "{records:?}");
+    assert!(allowed
+        .iter()
+        .all(|r| r["session"] == json!(session) || r["session"].is_string()));
+    assert!(
+        allowed
+            .iter()
+            .any(|r| r["bytes_down"].as_u64().unwrap_or(0) > 0),
+        "{allowed:?}"
+    );
+    let metrics = broker.get("/metrics").await.text().await.expect("metrics");
+    assert!(
+        metrics.contains("codebroker_egress_connections_total{verdict=\"allowed\",reason=\"\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("codebroker_egress_bytes_total{direction=\"down\"}"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_ten_mib_wheel_installs_and_counts_against_the_quota() {
+    let regs = registries().await;
+    let broker = TestBroker::start_with("egress-big", |c| {
+        egress_config(c, &regs);
+        c.sandbox.workspace_quota = 64 << 20;
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let first = broker
+        .run(
+            "py",
+            &(pip("'install', 'cbbig'")
+                + "import cbbig, os\nprint(cbbig.VALUE, os.path.getsize(os.path.join(os.path.dirname(cbbig.__file__), 'payload.bin')))\n"),
+            None,
+        )
+        .await;
+    let took = started.elapsed();
+    assert!(
+        stdout(&first).contains(&format!("ten MiB {}", 10 << 20)),
+        "{first}"
+    );
+    println!("install of a 10 MiB wheel through the proxy, with the exec around it: {took:?}");
+
+    // Over the quota, the install fails like any write would.
+    let tight = TestBroker::start_with("egress-quota", |c| {
+        egress_config(c, &regs);
+        c.sandbox.workspace_quota = 4 << 20;
+    })
+    .await;
+    let (status, over) = tight
+        .exec(json!({ "lang": "py", "code": pip("'install', 'cbbig'") }))
+        .await;
+    assert_eq!(status, 200, "{over}");
+    let text = format!("{}{}", stdout(&over), stderr(&over));
+    assert!(
+        !text.contains("pip exit 0") || text.contains("quota"),
+        "a 10 MiB install fit a 4 MiB quota: {over}"
+    );
+    // The next call still works.
+    let next = tight
+        .run("py", "print('fine')", Some(&session(&over)))
+        .await;
+    assert_eq!(stdout(&next).trim(), "fine");
+}
+
+#[tokio::test]
+async fn npm_installs_from_the_allowed_registry_and_node_requires_it() {
+    let regs = registries().await;
+    let broker = TestBroker::start_with("egress-npm", |c| egress_config(c, &regs)).await;
+    let installed = broker
+        .run(
+            "py",
+            "import subprocess\n\
+             r = subprocess.run(['npm', 'install', 'cbdemo-npm'], capture_output=True, text=True)\n\
+             print('npm exit', r.returncode)\nprint(r.stdout[-1500:], r.stderr[-1500:])\n",
+            None,
+        )
+        .await;
+    assert!(stdout(&installed).contains("npm exit 0"), "{installed}");
+    let session = session(&installed);
+    assert_eq!(
+        installed["files"],
+        json!([]),
+        "no package.json or lock file: {installed}"
+    );
+    let required = broker
+        .run(
+            "js",
+            "console.log('value', require('cbdemo-npm').value)",
+            Some(&session),
+        )
+        .await;
+    assert_eq!(
+        stdout(&required).trim(),
+        "value from verdaccio",
+        "{required}"
+    );
+    let other = broker
+        .run(
+            "js",
+            "try { require('cbdemo-npm'); console.log('present') } catch (e) { console.log('absent') }",
+            None,
+        )
+        .await;
+    assert_eq!(stdout(&other).trim(), "absent", "{other}");
+}
+
+#[tokio::test]
+async fn https_goes_through_connect_end_to_end() {
+    let regs = registries().await;
+    let broker = TestBroker::start_with("egress-tls", |c| egress_config(c, &regs)).await;
+    let code = format!(
+        "import ssl, urllib.request\n\
+         open('ca.pem', 'w').write({ca:?})\n\
+         ctx = ssl.create_default_context(cafile='ca.pem')\n\
+         print(urllib.request.urlopen('https://tls.test:{port}/', context=ctx, timeout=20).read().decode())\n",
+        ca = regs.ca,
+        port = regs.tls.port
+    );
+    let out = broker.run("py", &code, None).await;
+    assert_eq!(stdout(&out).trim(), "hello over tls", "{out}");
+    let records = audit_records(&broker);
+    assert!(
+        records.iter().any(|r| r["host"] == "tls.test"
+            && r["method"] == "CONNECT"
+            && r["verdict"] == "allowed"),
+        "{records:?}"
+    );
+}
+
+#[tokio::test]
+async fn what_is_not_allowed_is_refused_with_a_reason_and_the_broker_is_never_reached() {
+    let regs = registries().await;
+    // The list names the broker's own port, by a listed address and by a pinned name.
+    let broker = TestBroker::start_knowing_port("egress-attacks", |c, port| {
+        egress_config(c, &regs);
+        c.egress.egress = c
+            .egress
+            .egress
+            .replace(&format!(":{BROKER_PORT_MARK}"), &format!(":{port}"));
+    })
+    .await;
+    let port: u16 = broker
+        .base
+        .rsplit(':')
+        .next()
+        .expect("port")
+        .parse()
+        .expect("port");
+    let targets: Vec<String> = vec![
+        "example.com:443".into(),
+        format!("pypi.test:{}", regs.pypi.port + 1),
+        "93.184.216.34:443".into(),
+        "127.0.0.1:443".into(),
+        "localhost:443".into(),
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("[::1]:{port}"),
+        format!("broker.test:{port}"),
+        "2130706433:443".into(),
+    ];
+    let out = broker.run("py", &connect_probe(&targets), None).await;
+    let lines: Vec<&str> = stdout(&out).lines().collect();
+    assert_eq!(lines.len(), targets.len(), "{out}");
+    for line in &lines {
+        assert!(line.contains("-> HTTP/1.1 403 egress: "), "{line}\n{out}");
+        assert!(!line.contains(" 200 "), "{line}");
+    }
+    assert!(
+        lines[0].contains("example.com is not in CODEBROKER_EGRESS"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains("is not in CODEBROKER_EGRESS"),
+        "{}",
+        lines[1]
+    );
+    assert!(lines[2].contains("is an IP address"), "{}", lines[2]);
+    assert!(
+        lines[4].contains("which is not a public address"),
+        "{}",
+        lines[4]
+    );
+    // The broker's own port, by every spelling: never opened.
+    for line in &lines[5..9] {
+        assert!(
+            line.contains("the broker's own port")
+                || line.contains("is an IP address")
+                || line.contains("not a public address")
+                || line.contains("is not in CODEBROKER_EGRESS"),
+            "{line}"
+        );
+    }
+    assert!(lines[5].contains("the broker's own port"), "{}", lines[5]);
+    assert!(lines[8].contains("the broker's own port"), "{}", lines[8]);
+
+    // A direct socket: still no network.
+    let direct = broker
+        .run(
+            "py",
+            "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 443), timeout=5)\n    print('connected')\nexcept OSError as e:\n    print('no network:', e)",
+            None,
+        )
+        .await;
+    assert!(stdout(&direct).starts_with("no network:"), "{direct}");
+
+    // Refusals are counted and audited by reason.
+    let metrics = broker.get("/metrics").await.text().await.expect("metrics");
+    for reason in ["not_listed", "ip_literal", "not_public", "broker_port"] {
+        assert!(
+            metrics.contains(&format!(
+                "codebroker_egress_connections_total{{verdict=\"refused\",reason=\"{reason}\"}}"
+            )),
+            "{reason}: {metrics}"
+        );
+    }
+    let records = audit_records(&broker);
+    assert!(records
+        .iter()
+        .any(|r| r["host"] == "example.com" && r["reason"] == "not_listed"));
+}
+
+#[tokio::test]
+async fn caps_cut_a_download_and_refuse_a_flood_and_the_next_exec_works() {
+    let regs = registries().await;
+    let broker = TestBroker::start_with("egress-caps", |c| {
+        egress_config(c, &regs);
+        c.egress.egress_exec_bytes = 2 << 20;
+        c.egress.egress_exec_connections = 5;
+    })
+    .await;
+    // Over the byte cap: the 10 MiB wheel's download is cut, and pip says it failed.
+    let cut = broker.run("py", &pip("'install', 'cbbig'"), None).await;
+    assert!(!stdout(&cut).contains("pip exit 0"), "{cut}");
+    let session = session(&cut);
+    let records = audit_records(&broker);
+    assert!(
+        records.iter().any(|r| r["reason"] == "exec_bytes"),
+        "{records:?}"
+    );
+
+    // A flood: 12 connections in one exec, 5 allowed.
+    let targets: Vec<String> = (0..12)
+        .map(|_| format!("pypi.test:{}", regs.pypi.port))
+        .collect();
+    let flood = broker
+        .run("py", &connect_probe(&targets), Some(&session))
+        .await;
+    let text = stdout(&flood);
+    assert_eq!(
+        text.matches("200 Connection established").count(),
+        5,
+        "{flood}"
+    );
+    assert_eq!(
+        text.matches("cap of 5 connections is spent").count(),
+        7,
+        "{flood}"
+    );
+
+    // A new exec has a new budget.
+    let next = broker
+        .run(
+            "py",
+            &(pip("'install', 'cbdemo'") + "import cbdemo\nprint(cbdemo.VALUE)"),
+            Some(&session),
+        )
+        .await;
+    assert!(
+        stdout(&next).contains("installed through the proxy"),
+        "{next}"
+    );
+}
+
+#[tokio::test]
+async fn with_egress_off_pip_fails_at_once_saying_so() {
+    let broker = TestBroker::start("egress-off").await;
+    let started = std::time::Instant::now();
+    let out = broker
+        .run("py", &pip("'install', 'requests-toolbelt'"), None)
+        .await;
+    let text = stdout(&out);
+    assert!(!text.contains("pip exit 0"), "{out}");
+    assert!(
+        text.contains("egress is off (CODEBROKER_EGRESS is empty)"),
+        "{out}"
+    );
+    println!("pip with egress off failed after {:?}", started.elapsed());
+    // npm too.
+    let npm = broker
+        .run(
+            "py",
+            "import subprocess\nr = subprocess.run(['npm', 'install', 'left-pad'], capture_output=True, text=True)\nprint('npm exit', r.returncode)\nprint(r.stdout, r.stderr)",
+            Some(&session(&out)),
+        )
+        .await;
+    assert!(!stdout(&npm).contains("npm exit 0"), "{npm}");
+    assert!(stdout(&npm).contains("403"), "{npm}");
+}
+
+#[test]
+fn the_servers_are_installed() {
+    for tool in [".venv/bin/pypi-server", "node_modules/.bin/verdaccio"] {
+        let path = registries::dir().join(tool);
+        assert!(
+            Path::new(&path).exists(),
+            "{} is missing: run `make registries`",
+            path.display()
+        );
+    }
+}
