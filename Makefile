@@ -49,7 +49,7 @@ daemon-test:
 # the CPU limit; 64-session bursts take longer than this suite is worth; runsc cannot change
 # a running container's CPU weight, so the two tests of the preload's weight do not apply.
 RUNSC_SUITES ?= --test python --test languages --test files --test limits --test streaming \
-	--test lifecycle --test uploads --test hostile_sandbox --test hostile_host
+	--test lifecycle --test uploads --test hostile_sandbox --test hostile_host --test egress
 RUNSC_SKIP ?= --skip a_bash_fork_bomb_is_contained --skip a_python_fork_loop_is_contained \
 	--skip nproc_reports_no_more_cpus_than_the_limit --skip sixty_four_sessions \
 	--skip an_exec_right_after_the_take_stops_the_preload_and_gets_the_usual_weight \

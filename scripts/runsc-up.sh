@@ -8,6 +8,8 @@
 #
 # --network=none: runsc refuses containers started with Docker's `none` network otherwise.
 # --platform=ptrace: works without KVM, in a VM or a container.
+# --host-uds=open: sandboxed code may connect to a host Unix socket bind-mounted into its
+# container: the egress proxy's socket (CODEBROKER_EGRESS); it cannot create one there.
 set -euo pipefail
 
 RUNSC=${RUNSC:-/usr/bin/runsc}
@@ -34,7 +36,7 @@ conf = {}
 if os.path.exists(path) and os.path.getsize(path) > 0:
     with open(path) as f:
         conf = json.load(f)
-want = {"path": runsc, "runtimeArgs": ["--platform=ptrace", "--network=none"]}
+want = {"path": runsc, "runtimeArgs": ["--platform=ptrace", "--network=none", "--host-uds=open"]}
 if conf.get("runtimes", {}).get("runsc") == want:
     print("no")
 else:

@@ -221,6 +221,13 @@ impl Gateway {
         ))
     }
 
+    /// Removes the socket directory `name` of a sandbox that is gone.
+    pub(crate) fn remove(&self, name: &str) {
+        if crate::ids::is_valid_id(name) {
+            let _ = std::fs::remove_dir_all(self.dir.join(name));
+        }
+    }
+
     /// Removes the socket directories of sandboxes that are gone (a broker that died
     /// left them), keeping those of `live`.
     pub(crate) fn sweep(&self, live: &[String]) {
@@ -240,7 +247,8 @@ impl Gateway {
 pub(crate) struct SandboxEgress {
     /// The socket's name (a container label keeps it for a restarted broker).
     name: String,
-    /// The directory the sandbox mounts at [`SANDBOX_DIR`]; removed with the handle.
+    /// The directory the sandbox mounts at [`SANDBOX_DIR`]; it outlives the handle (a kept
+    /// container mounts it) until [`Gateway::remove`].
     dir: PathBuf,
     /// The exec running in the sandbox now; `None` between execs.
     exec: Mutex<Option<ExecEgress>>,
@@ -263,12 +271,6 @@ impl SandboxEgress {
     pub(crate) fn begin_exec(self: &Arc<Self>, exec: ExecEgress) -> ExecEgressGuard {
         *self.exec.locked() = Some(exec);
         ExecEgressGuard(self.clone())
-    }
-}
-
-impl Drop for SandboxEgress {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -392,9 +394,15 @@ mod tests {
         let answer = ask(&socket, &request).await;
         assert!(answer.contains("only code of a running exec"), "{answer}");
 
-        // The directory goes with the handle.
+        // The service ends with the handle; the directory (which a kept container mounts)
+        // stays until the sandbox is removed.
         let dir = egress.dir().to_path_buf();
+        let name = egress.name().to_string();
         drop(egress);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(tokio::net::UnixStream::connect(&socket).await.is_err());
+        assert!(dir.exists());
+        gateway.remove(&name);
         assert!(!dir.exists());
     }
 

@@ -9,6 +9,7 @@ use super::{
     Warmup, WORKDIR,
 };
 use crate::config::{SandboxProfile, SandboxUids, SeccompChoice};
+use crate::sync::LockExt as _;
 use crate::workspace::Workspace;
 use anyhow::{anyhow, Context};
 use bollard::container::LogOutput;
@@ -76,6 +77,10 @@ pub(crate) struct DockerBackend {
     /// Where the sandboxes' proxy connections go (a socket per sandbox, mounted) and what
     /// their environment says of it; unset until the broker installs it.
     pub(super) egress: std::sync::OnceLock<Arc<crate::egress::gateway::Gateway>>,
+    /// The egress socket of each container that has one: its directory goes when the
+    /// container is removed (not when the broker stops: a kept container mounts it, and a
+    /// restarted broker serves it again).
+    egress_sockets: std::sync::Mutex<HashMap<String, String>>,
     /// The Docker host's memory in bytes (`docker info`), what CODEBROKER_MAX_CONTAINERS
     /// `auto` is made from; `None` when the engine does not say. The broker may itself
     /// run in a container, so its own view of memory is not the host's.
@@ -174,6 +179,7 @@ impl DockerBackend {
             idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             egress: std::sync::OnceLock::new(),
+            egress_sockets: std::sync::Mutex::default(),
             host_memory,
             seccomp,
             cpu_weight_settable: AtomicBool::new(!is_gvisor(&profile_runtime)),
@@ -276,6 +282,11 @@ impl DockerBackend {
             }
         };
         self.uids.bind(&id, uid);
+        if let Some(egress) = &egress {
+            self.egress_sockets
+                .locked()
+                .insert(id.clone(), egress.name().to_string());
+        }
         let t_create = t0.elapsed();
         let sandbox = async {
             let channel = self.attach_channel(&id).await?;
@@ -358,6 +369,11 @@ impl DockerBackend {
             Some(name) => self.open_egress(&name)?,
             None => None,
         };
+        if let Some(egress) = &egress {
+            self.egress_sockets
+                .locked()
+                .insert(container_id.to_string(), egress.name().to_string());
+        }
         let channel = self.attach_channel(container_id).await?;
         let sandbox = Sandbox::adopted(container_id.to_string(), channel, HELLO_TIMEOUT).await?;
         Ok(sandbox.with_egress(egress))
@@ -448,7 +464,13 @@ impl DockerBackend {
             Ok(_)
             | Err(bollard::errors::Error::DockerResponseServerError {
                 status_code: 404, ..
-            }) => self.uids.release(id),
+            }) => {
+                self.uids.release(id);
+                let socket = self.egress_sockets.locked().remove(id);
+                if let (Some(name), Some(gateway)) = (socket, self.egress.get()) {
+                    gateway.remove(&name);
+                }
+            }
             Err(err) => {
                 self.failed("remove");
                 tracing::warn!(container = %short(id), error = %err, "cannot remove container");
@@ -651,6 +673,7 @@ mod tests {
             idle_ttl_secs: config.lifecycle.idle_ttl_secs,
             observer: std::sync::OnceLock::new(),
             egress: std::sync::OnceLock::new(),
+            egress_sockets: std::sync::Mutex::default(),
             host_memory: None,
             cpu_weight_settable: AtomicBool::new(true),
         }
