@@ -75,7 +75,7 @@ test-runner-files: image
 # container's workspace handed to an upload session (a pod's emptyDir cannot be handed
 # over: the session starts its own pod); the four tests of the preload's CPU weight (a
 # pod's weight is its CPU request, fixed when it is created).
-K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads \
+K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads --test egress \
 	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files \
 	--test kubernetes
 K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \

@@ -593,6 +593,40 @@ mod tests {
     }
 
     #[test]
+    fn egress_settings_are_checked_at_start() {
+        let check = |extra: &[&str]| {
+            let mut args = vec!["codebroker", "--auth", "none"];
+            args.extend_from_slice(extra);
+            Config::try_parse_from(args).expect("parses").validate()
+        };
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(
+            check(&["--egress", "pypi.org,files.pythonhosted.org,*.npmjs.org"]),
+            Ok(())
+        );
+        let err = check(&["--egress", "*"]).expect_err("a bare star");
+        assert_eq!(err.setting, "CODEBROKER_EGRESS", "{err}");
+        let err = check(&[
+            "--egress",
+            "mirror.test",
+            "--egress-resolve",
+            "other.test=10.0.0.1",
+        ])
+        .expect_err("a pin no pattern covers");
+        assert_eq!(err.setting, "CODEBROKER_EGRESS", "{err}");
+        let err = check(&["--egress", "pypi.org", "--pip-index-url", "pypi.org/simple"])
+            .expect_err("not a URL");
+        assert_eq!(err.setting, "CODEBROKER_PIP_INDEX_URL", "{err}");
+        let err = check(&["--npm-registry", "ftp://registry.test/"]).expect_err("not http");
+        assert_eq!(err.setting, "CODEBROKER_NPM_REGISTRY", "{err}");
+        // The Kubernetes backend carries no egress: refused at start, not ignored.
+        let err = check(&["--backend", "kubernetes", "--egress", "pypi.org"])
+            .expect_err("egress on Kubernetes");
+        assert_eq!(err.setting, "CODEBROKER_EGRESS", "{err}");
+        assert_eq!(check(&["--backend", "kubernetes"]), Ok(()));
+    }
+
+    #[test]
     fn kubernetes_settings_are_checked_at_start() {
         let defaults = Config::try_parse_from(["codebroker"]).expect("defaults parse");
         assert_eq!(defaults.backend, BackendKind::Docker);

@@ -103,6 +103,10 @@ pub(crate) struct KubernetesBackend {
     ready_timeout: Duration,
     /// Told of failed API calls (the broker's metrics); unset until the broker installs it.
     observer: OnceLock<Arc<dyn EngineObserver>>,
+    /// What the egress gateway puts in a sandbox's environment: the proxy (the runner),
+    /// which with egress off (the only way on this backend) answers every request with a
+    /// 403 saying so, so pip fails at once instead of on the NetworkPolicy's time-outs.
+    egress: OnceLock<Arc<crate::egress::gateway::Gateway>>,
     /// Pods whose workspace was brought up to date with their session's files; a pod's
     /// `emptyDir` starts empty, so each pod is filled once (see `settle_files`).
     settled: Mutex<HashSet<String>>,
@@ -188,6 +192,7 @@ impl KubernetesBackend {
             },
             ready_timeout: Duration::from_secs(config.kubernetes.k8s_ready_timeout_secs),
             observer: OnceLock::new(),
+            egress: OnceLock::new(),
             settled: Mutex::new(HashSet::new()),
             claims,
         }
@@ -256,7 +261,10 @@ impl KubernetesBackend {
     /// a pod that does not get there is deleted.
     async fn create_pod(&self, session_id: &str, warmup: Warmup) -> anyhow::Result<Sandbox> {
         let name = new_pod_name();
-        let pod = sandbox_pod(&self.profile, &self.settings, &name, session_id);
+        let mut pod = sandbox_pod(&self.profile, &self.settings, &name, session_id);
+        if let Some(gateway) = self.egress.get() {
+            add_env(&mut pod, &gateway.sandbox_env());
+        }
         let t0 = std::time::Instant::now();
         within(
             API_CALL_TIMEOUT,
@@ -614,6 +622,10 @@ impl super::engine::SandboxEngine for KubernetesBackend {
         let _ = self.observer.set(observer);
     }
 
+    fn carry_egress(&self, gateway: Arc<crate::egress::gateway::Gateway>) {
+        let _ = self.egress.set(gateway);
+    }
+
     /// Pods run on nodes the broker cannot see: files move through the runner.
     fn file_transport(&self) -> super::files::FileTransport {
         super::files::FileTransport::Runner
@@ -627,5 +639,24 @@ impl super::engine::SandboxEngine for KubernetesBackend {
 
     fn settled(&self, sandbox_id: &str) {
         self.lock_settled().insert(sandbox_id.to_string());
+    }
+}
+
+/// Appends `NAME=value` entries to the environment of the pod's containers.
+fn add_env(pod: &mut k8s_openapi::api::core::v1::Pod, entries: &[String]) {
+    let Some(spec) = pod.spec.as_mut() else {
+        return;
+    };
+    for container in &mut spec.containers {
+        let env = container.env.get_or_insert_with(Vec::new);
+        for entry in entries {
+            if let Some((name, value)) = entry.split_once('=') {
+                env.push(k8s_openapi::api::core::v1::EnvVar {
+                    name: name.to_string(),
+                    value: Some(value.to_string()),
+                    value_from: None,
+                });
+            }
+        }
     }
 }
