@@ -192,6 +192,19 @@ async fn pip_installs_into_the_session_from_an_allowed_index_and_the_kernel_impo
         "{replaced}"
     );
 
+    // The notebook habit a model brings: `!pip install` in a Python cell.
+    let notebook = broker
+        .run(
+            "py",
+            "!pip install -q cbdemo\nimport cbdemo\nprint('notebook', cbdemo.VALUE)",
+            None,
+        )
+        .await;
+    assert!(
+        stdout(&notebook).contains("notebook installed through the proxy"),
+        "{notebook}"
+    );
+
     // A new session does not have it.
     let other = broker
         .run(

@@ -1110,6 +1110,28 @@ def warm_up_plotting():
 # Running code
 # --------------------------------------------------------------------------------------------
 
+def shell_escapes(code):
+    """`code` with its notebook shell lines as Python, or None when it has none: a line
+    `!cmd` runs `cmd` in the shell, `%pip args` runs this Python's pip, as in Jupyter (the
+    output streams, a failing command does not fail the cell, nothing is printed for the
+    call itself). Lines keep their numbers and indentation, so tracebacks still point at
+    the cell's own lines."""
+    lines = code.split("\n")
+    changed = False
+    for i, line in enumerate(lines):
+        body = line.lstrip()
+        indent = line[: len(line) - len(body)]
+        if body.startswith("!") and not body.startswith("!="):
+            command = body[1:]
+        elif body.startswith("%pip ") or body == "%pip":
+            command = "%s -m pip %s" % (sys.executable, body[4:].strip())
+        else:
+            continue
+        lines[i] = "%s__import__('subprocess').run(%r, shell=True) and None" % (indent, command)
+        changed = True
+    return "\n".join(lines) if changed else None
+
+
 def _ignore_sigint(signum, frame):
     pass
 
@@ -1232,7 +1254,20 @@ class Kernel:
         self.cells += 1
         filename = "%s%d>" % (CELL_PREFIX, self.cells)
         register_source(filename, code)
-        tree = compile(code, filename, "exec", PyCF_ONLY_AST, dont_inherit=True)
+        try:
+            tree = compile(code, filename, "exec", PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError:
+            # Notebook habits: `!pip install x`, `%pip install x`. Only a cell that is not
+            # Python as written is read this way, so valid code never changes meaning.
+            escaped = shell_escapes(code)
+            if escaped is None:
+                raise
+            try:
+                tree = compile(escaped, filename, "exec", PyCF_ONLY_AST, dont_inherit=True)
+            except SyntaxError:
+                tree = None
+            if tree is None:
+                raise
         last = None
         if tree.body and isinstance(tree.body[-1], ast_nodes.Expr):
             last = ast_nodes.Expression(tree.body.pop().value)

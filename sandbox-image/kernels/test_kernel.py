@@ -980,6 +980,27 @@ def test_parts_load_on_first_use_and_stay_out_of_sight():
         server.close()
 
 
+def test_notebook_shell_lines_run_in_the_shell():
+    with Kernel() as k:
+        assert_ok(k.run("!echo hi from the shell"), "hi from the shell\n")
+        # Indented, mixed with Python, in order with what Python printed before.
+        assert_ok(
+            k.run("print('first')\nif True:\n    !echo second\nx = 3\nprint(x)"),
+            "first\nsecond\n3\n",
+        )
+        # A failing command does not fail the cell, as in Jupyter.
+        assert_ok(k.run("!exit 3\nprint('after')"), "after\n")
+        code, out, err = k.run("%pip --version")
+        assert code == 0 and out.startswith("pip "), (code, out, err)
+        # Valid Python never changes meaning, and a real syntax error stays one.
+        assert_ok(
+            k.run("print(1 != 2)\ns = \"\"\"\n!not a command\n\"\"\"\nprint(s.strip())"),
+            "True\n!not a command\n",
+        )
+        code, out, err = k.run("def (:\n!echo no")
+        assert code == 1 and "SyntaxError" in err and out == "", (code, out, err)
+
+
 def test_tools_do_not_linger():
     with Kernel() as k:
         assert_ok(k.run("print(add.__name__)", tools=[ADD]), "add\n")
