@@ -70,28 +70,27 @@ fn egress_config(c: &mut codebroker::config::Config, regs: &Registries) {
     c.audit_log = c.data_dir.join("audit.jsonl").display().to_string();
 }
 
-/// A broker with egress on, or, on the Kubernetes backend (`make test-k8s`), the check that
-/// the broker refuses to start with egress on there (`None`: the test ends with it).
+/// A broker with egress on. `CODEBROKER_EGRESS_TRANSPORT=runner` in the test's environment
+/// tunnels it over the runner channel (`make test-runner-files`); on the Kubernetes backend
+/// (`make test-k8s`) that is the transport anyway.
 async fn egress_broker(
     tag: &str,
     adjust: impl FnOnce(&mut codebroker::config::Config),
-) -> Option<TestBroker> {
-    if docker::kubernetes() {
-        let tmp = tempfile::tempdir().expect("tempdir");
-        let mut config =
-            codebroker::config::Config::for_tests(tmp.path().to_path_buf(), &instance_name(tag));
-        adjust(&mut config);
-        let refused = codebroker::build(config)
-            .await
-            .err()
-            .expect("egress refused on Kubernetes");
-        assert!(
-            format!("{refused:#}").contains("CODEBROKER_EGRESS needs CODEBROKER_BACKEND=docker"),
-            "{refused:#}"
-        );
-        return None;
+) -> TestBroker {
+    TestBroker::start_with(tag, |config| {
+        config.egress.egress_transport = transport_from_env();
+        adjust(config)
+    })
+    .await
+}
+
+/// The egress transport the test's environment asks for, if any.
+fn transport_from_env() -> Option<codebroker::config::EgressTransport> {
+    match std::env::var("CODEBROKER_EGRESS_TRANSPORT").as_deref() {
+        Ok("runner") => Some(codebroker::config::EgressTransport::Runner),
+        Ok("socket") => Some(codebroker::config::EgressTransport::Socket),
+        _ => None,
     }
-    Some(TestBroker::start_with(tag, adjust).await)
 }
 
 /// Python that asks the sandbox's proxy to CONNECT to each target and prints each status
@@ -138,9 +137,7 @@ fn audit_records(broker: &TestBroker) -> Vec<Value> {
 #[tokio::test]
 async fn pip_installs_into_the_session_from_an_allowed_index_and_the_kernel_imports_it() {
     let regs = registries().await;
-    let Some(broker) = egress_broker("egress-pip", |c| egress_config(c, &regs)).await else {
-        return;
-    };
+    let broker = egress_broker("egress-pip", |c| egress_config(c, &regs)).await;
 
     // Installed and imported in one cell, in the same kernel.
     let code = pip("'install', 'cbdemo'") + "import cbdemo\nprint('VALUE', cbdemo.VALUE)\n";
@@ -245,14 +242,11 @@ async fn pip_installs_into_the_session_from_an_allowed_index_and_the_kernel_impo
 #[tokio::test]
 async fn a_ten_mib_wheel_installs_and_counts_against_the_quota() {
     let regs = registries().await;
-    let Some(broker) = egress_broker("egress-big", |c| {
+    let broker = egress_broker("egress-big", |c| {
         egress_config(c, &regs);
         c.sandbox.workspace_quota = 64 << 20;
     })
-    .await
-    else {
-        return;
-    };
+    .await;
     let started = std::time::Instant::now();
     let first = broker
         .run(
@@ -323,9 +317,7 @@ async fn a_ten_mib_wheel_installs_and_counts_against_the_quota() {
 #[tokio::test]
 async fn npm_installs_from_the_allowed_registry_and_node_requires_it() {
     let regs = registries().await;
-    let Some(broker) = egress_broker("egress-npm", |c| egress_config(c, &regs)).await else {
-        return;
-    };
+    let broker = egress_broker("egress-npm", |c| egress_config(c, &regs)).await;
     let installed = broker
         .run(
             "py",
@@ -367,9 +359,7 @@ async fn npm_installs_from_the_allowed_registry_and_node_requires_it() {
 #[tokio::test]
 async fn https_goes_through_connect_end_to_end() {
     let regs = registries().await;
-    let Some(broker) = egress_broker("egress-tls", |c| egress_config(c, &regs)).await else {
-        return;
-    };
+    let broker = egress_broker("egress-tls", |c| egress_config(c, &regs)).await;
     let code = format!(
         "import ssl, urllib.request\n\
          open('ca.pem', 'w').write({ca:?})\n\
@@ -392,14 +382,9 @@ async fn https_goes_through_connect_end_to_end() {
 #[tokio::test]
 async fn what_is_not_allowed_is_refused_with_a_reason_and_the_broker_is_never_reached() {
     let regs = registries().await;
-    if docker::kubernetes() {
-        assert!(egress_broker("egress-attacks", |c| egress_config(c, &regs))
-            .await
-            .is_none());
-        return;
-    }
     // The list names the broker's own port, by a listed address and by a pinned name.
     let broker = TestBroker::start_knowing_port("egress-attacks", |c, port| {
+        c.egress.egress_transport = transport_from_env();
         egress_config(c, &regs);
         c.egress.egress = c
             .egress
@@ -491,15 +476,12 @@ async fn what_is_not_allowed_is_refused_with_a_reason_and_the_broker_is_never_re
 #[tokio::test]
 async fn caps_cut_a_download_and_refuse_a_flood_and_the_next_exec_works() {
     let regs = registries().await;
-    let Some(broker) = egress_broker("egress-caps", |c| {
+    let broker = egress_broker("egress-caps", |c| {
         egress_config(c, &regs);
         c.egress.egress_exec_bytes = 2 << 20;
         c.egress.egress_exec_connections = 5;
     })
-    .await
-    else {
-        return;
-    };
+    .await;
     // Over the byte cap: the 10 MiB wheel's download is cut, and pip says it failed.
     let cut = broker.run("py", &pip("'install', 'cbbig'"), None).await;
     assert!(!stdout(&cut).contains("pip exit 0"), "{cut}");
@@ -629,14 +611,11 @@ async fn bulk_server(size: usize) -> u16 {
 #[ignore = "a measurement: run it by name"]
 async fn measure_a_100_mib_download_through_the_proxy() {
     let port = bulk_server(100 << 20).await;
-    let Some(broker) = egress_broker("egress-measure", |c| {
+    let broker = egress_broker("egress-measure", |c| {
         c.egress.egress = format!("bulk.test:{port}");
         c.egress.egress_resolve = "bulk.test=127.0.0.1".into();
     })
-    .await
-    else {
-        return;
-    };
+    .await;
     let code = format!(
         "import time, urllib.request\n\
          t = time.perf_counter(); n = 0\n\

@@ -49,14 +49,23 @@ pub struct EgressConfig {
     #[arg(long, env = "CODEBROKER_EGRESS_EXEC_BYTES", default_value = "1GiB", value_parser = parse_size)]
     pub egress_exec_bytes: u64,
 
+    /// How a sandbox's proxy connections reach the broker: `socket` (a Unix socket per
+    /// sandbox, bind-mounted read-only; Docker only, and the fastest) or `runner` (tunnelled
+    /// over the runner's attached stdio; the only one on Kubernetes). Empty: `socket` on
+    /// Docker, `runner` on Kubernetes.
+    #[arg(long, env = "CODEBROKER_EGRESS_TRANSPORT", value_enum)]
+    pub egress_transport: Option<EgressTransport>,
+
     /// Bytes one session may move through the proxy over its life, both ways. 0: no cap.
     #[arg(long, env = "CODEBROKER_EGRESS_SESSION_BYTES", default_value = "4GiB", value_parser = parse_size)]
     pub egress_session_bytes: u64,
 }
 
-impl EgressConfig {
-    /// Whether any host is allowed.
-    pub(crate) fn is_on(&self) -> bool {
-        self.egress.split(',').any(|entry| !entry.trim().is_empty())
-    }
+/// How a sandbox's proxy connections reach the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EgressTransport {
+    /// A Unix socket per sandbox, in a directory bind-mounted into it.
+    Socket,
+    /// Frames over the runner's attached stdio.
+    Runner,
 }

@@ -264,7 +264,7 @@ impl Config {
     }
 
     /// The egress allowlist and pins parse, the registries are URLs, and the backend can
-    /// carry egress (Docker: a socket per sandbox, mounted).
+    /// carry the transport asked for.
     fn validate_egress(&self) -> Result<(), InvalidConfig> {
         let egress = &self.egress;
         crate::egress::policy::EgressPolicy::from_settings(&egress.egress, &egress.egress_resolve)
@@ -287,14 +287,24 @@ impl Config {
                 }
             }
         }
-        if egress.is_on() && self.backend == BackendKind::Kubernetes {
+        if egress.egress_transport == Some(EgressTransport::Socket)
+            && self.backend == BackendKind::Kubernetes
+        {
             return Err(InvalidConfig::new(
-                "CODEBROKER_EGRESS",
-                "CODEBROKER_EGRESS needs CODEBROKER_BACKEND=docker: the Kubernetes backend \
-                 does not carry sandbox egress yet",
+                "CODEBROKER_EGRESS_TRANSPORT",
+                "CODEBROKER_EGRESS_TRANSPORT=socket needs CODEBROKER_BACKEND=docker: a pod \
+                 cannot mount the broker's socket; use runner (or leave it empty)",
             ));
         }
         Ok(())
+    }
+
+    /// The egress transport in effect: the one set, else the backend's own.
+    pub(crate) fn egress_transport(&self) -> EgressTransport {
+        self.egress.egress_transport.unwrap_or(match self.backend {
+            BackendKind::Docker => EgressTransport::Socket,
+            BackendKind::Kubernetes => EgressTransport::Runner,
+        })
     }
 
     /// A cap on live containers that the uid range could not serve would refuse sandboxes
@@ -619,11 +629,33 @@ mod tests {
         assert_eq!(err.setting, "CODEBROKER_PIP_INDEX_URL", "{err}");
         let err = check(&["--npm-registry", "ftp://registry.test/"]).expect_err("not http");
         assert_eq!(err.setting, "CODEBROKER_NPM_REGISTRY", "{err}");
-        // The Kubernetes backend carries no egress: refused at start, not ignored.
-        let err = check(&["--backend", "kubernetes", "--egress", "pypi.org"])
-            .expect_err("egress on Kubernetes");
-        assert_eq!(err.setting, "CODEBROKER_EGRESS", "{err}");
-        assert_eq!(check(&["--backend", "kubernetes"]), Ok(()));
+        // A pod cannot mount the socket: the runner channel carries its egress, and asking
+        // for the socket there is refused at start, not ignored.
+        let k8s = ["--backend", "kubernetes", "--egress", "pypi.org"];
+        assert_eq!(check(&k8s), Ok(()));
+        let err = check(&[&k8s[..], &["--egress-transport", "socket"]].concat())
+            .expect_err("a socket on Kubernetes");
+        assert_eq!(err.setting, "CODEBROKER_EGRESS_TRANSPORT", "{err}");
+        assert_eq!(
+            check(&[&k8s[..], &["--egress-transport", "runner"]].concat()),
+            Ok(())
+        );
+        let parsed = |extra: &[&str]| {
+            let mut args = vec!["codebroker"];
+            args.extend_from_slice(extra);
+            Config::try_parse_from(args)
+                .expect("parses")
+                .egress_transport()
+        };
+        assert_eq!(parsed(&[]), EgressTransport::Socket);
+        assert_eq!(
+            parsed(&["--backend", "kubernetes"]),
+            EgressTransport::Runner
+        );
+        assert_eq!(
+            parsed(&["--egress-transport", "runner"]),
+            EgressTransport::Runner
+        );
     }
 
     #[test]

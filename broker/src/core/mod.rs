@@ -71,10 +71,14 @@ impl Broker {
             audit: audit.clone(),
         });
         // Checked by `Config::validate`: a policy that does not parse stops the start there.
-        let egress =
-            crate::egress::gateway::Gateway::new(&config.egress, &config.data_dir, records)
-                .map_err(|e| anyhow::anyhow!(e))
-                .context("CODEBROKER_EGRESS")?;
+        let egress = crate::egress::gateway::Gateway::new(
+            &config.egress,
+            config.egress_transport(),
+            &config.data_dir,
+            records,
+        )
+        .map_err(|e| anyhow::anyhow!(e))
+        .context("CODEBROKER_EGRESS")?;
         let egress = Arc::new(egress);
         backend.engine().carry_egress(egress.clone());
         Ok(Broker {

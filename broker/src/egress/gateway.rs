@@ -6,7 +6,7 @@
 
 use super::policy::EgressPolicy;
 use super::proxy::{self, Budget, Outcome};
-use crate::config::EgressConfig;
+use crate::config::{EgressConfig, EgressTransport};
 use crate::sync::LockExt as _;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ pub(crate) const SANDBOX_DIR: &str = sandbox_runner::EGRESS_SOCKET_DIR;
 const SOCKET_NAME: &str = "proxy.sock";
 /// Connections one sandbox may have open through the proxy at once; more wait in the
 /// socket's backlog (the runner caps its own side as well).
-const MAX_OPEN_PER_SANDBOX: usize = 64;
+pub(super) const MAX_OPEN_PER_SANDBOX: usize = 64;
 
 /// Who hears of each connection: metrics and the audit log.
 pub(crate) trait EgressObserver: Send + Sync {
@@ -52,12 +52,15 @@ pub(crate) struct Gateway {
     dir: PathBuf,
     /// Metrics and audit.
     observer: Arc<dyn EgressObserver>,
+    /// How the sandboxes' connections come: a socket each, or a tunnel over the channel.
+    transport: EgressTransport,
 }
 
 impl Gateway {
     /// The gateway of `config` (checked by `Config::validate`).
     pub(crate) fn new(
         config: &EgressConfig,
+        transport: EgressTransport,
         data_dir: &Path,
         observer: Arc<dyn EgressObserver>,
     ) -> Result<Gateway, String> {
@@ -67,6 +70,7 @@ impl Gateway {
             config: config.clone(),
             dir: data_dir.join("egress"),
             observer,
+            transport,
         })
     }
 
@@ -80,6 +84,16 @@ impl Gateway {
     /// runner, answers every request with "egress is off").
     pub(crate) fn is_on(&self) -> bool {
         self.policy.is_on()
+    }
+
+    /// Whether egress is on and each sandbox gets a socket (else, when on, a tunnel).
+    pub(crate) fn uses_sockets(&self) -> bool {
+        self.is_on() && self.transport == EgressTransport::Socket
+    }
+
+    /// Whether egress is on and goes over the runner channel.
+    pub(crate) fn uses_tunnels(&self) -> bool {
+        self.is_on() && self.transport == EgressTransport::Runner
     }
 
     /// The variables every sandbox gets: its proxy (the runner's forwarder) always, so
@@ -102,11 +116,15 @@ impl Gateway {
             env.push("npm_config_fetch_retries=0".to_string());
             return env;
         }
-        env.push(format!(
-            "{}={}",
-            sandbox_runner::EGRESS_SOCKET_ENV,
-            sandbox_runner::EGRESS_SOCKET_PATH
-        ));
+        // Over the runner channel, the runner learns of egress from the broker's listen
+        // request instead.
+        if self.transport == EgressTransport::Socket {
+            env.push(format!(
+                "{}={}",
+                sandbox_runner::EGRESS_SOCKET_ENV,
+                sandbox_runner::EGRESS_SOCKET_PATH
+            ));
+        }
         let index = self.config.pip_index_url.trim();
         if !index.is_empty() {
             env.push(format!("PIP_INDEX_URL={index}"));
@@ -153,7 +171,7 @@ impl Gateway {
         let stop = CancellationToken::new();
         let egress = Arc::new(SandboxEgress {
             name: name.to_string(),
-            dir,
+            dir: Some(dir),
             exec: Mutex::new(None),
             _stop: stop.clone().drop_guard(),
         });
@@ -191,24 +209,63 @@ impl Gateway {
             let Some(sandbox) = sandbox.upgrade() else {
                 return;
             };
-            let exec = sandbox.exec.locked().clone();
-            let gateway = self.clone();
-            let stop = stop.clone();
+            let served = self.serve_one(&sandbox, stream, stop.clone());
             tokio::spawn(async move {
                 let _permit = permit;
-                let served = async {
-                    match &exec {
-                        Some(exec) => proxy::serve(stream, &gateway.policy, &exec.budget).await,
-                        None => proxy::refuse_without_exec(stream, &gateway.policy).await,
-                    }
-                };
-                // A removed sandbox's connections end with it.
-                tokio::select! {
-                    outcome = served => gateway.observer.connection(exec.as_ref(), &outcome),
-                    _ = stop.cancelled() => {}
-                }
+                served.await;
             });
         }
+    }
+
+    /// Serves one connection of `sandbox`'s (from its socket or its tunnel) under the
+    /// policy, counted against the exec running there now (none: refused), and records
+    /// it; a removed sandbox's connections end with it (`stop`).
+    pub(super) fn serve_one<S>(
+        self: &Arc<Self>,
+        sandbox: &SandboxEgress,
+        stream: S,
+        stop: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let exec = sandbox.exec.locked().clone();
+        let gateway = self.clone();
+        async move {
+            let served = async {
+                match &exec {
+                    Some(exec) => proxy::serve(stream, &gateway.policy, &exec.budget).await,
+                    None => proxy::refuse_without_exec(stream, &gateway.policy).await,
+                }
+            };
+            tokio::select! {
+                outcome = served => gateway.observer.connection(exec.as_ref(), &outcome),
+                _ = stop.cancelled() => {}
+            }
+        }
+    }
+
+    /// Serves the egress of the sandbox `name` over its runner channel (`standing`: the
+    /// runner's tunnel job) until the returned handle is dropped.
+    pub(crate) fn open_tunnel(
+        self: &Arc<Self>,
+        name: &str,
+        standing: crate::sandbox::channel::StandingJob,
+    ) -> Arc<SandboxEgress> {
+        let stop = CancellationToken::new();
+        let egress = Arc::new(SandboxEgress {
+            name: name.to_string(),
+            dir: None,
+            exec: Mutex::new(None),
+            _stop: stop.clone().drop_guard(),
+        });
+        tokio::spawn(super::tunnel::serve(
+            self.clone(),
+            Arc::downgrade(&egress),
+            standing,
+            stop,
+        ));
+        egress
     }
 
     /// The budget of one exec of a session that has moved `session_bytes` so far.
@@ -248,8 +305,9 @@ pub(crate) struct SandboxEgress {
     /// The socket's name (a container label keeps it for a restarted broker).
     name: String,
     /// The directory the sandbox mounts at [`SANDBOX_DIR`]; it outlives the handle (a kept
-    /// container mounts it) until [`Gateway::remove`].
-    dir: PathBuf,
+    /// container mounts it) until [`Gateway::remove`]. `None`: the egress is tunnelled
+    /// over the runner channel.
+    dir: Option<PathBuf>,
     /// The exec running in the sandbox now; `None` between execs.
     exec: Mutex<Option<ExecEgress>>,
     /// Stops the socket's service (and the connections under way) when dropped.
@@ -262,9 +320,9 @@ impl SandboxEgress {
         &self.name
     }
 
-    /// The directory to mount.
-    pub(crate) fn dir(&self) -> &Path {
-        &self.dir
+    /// The directory to mount, when the egress goes through a socket.
+    pub(crate) fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
     }
 
     /// Counts the sandbox's connections against `exec` until the guard is dropped.
@@ -351,13 +409,14 @@ mod tests {
         let gateway = Arc::new(
             Gateway::new(
                 &config(&format!("pkg.test:{port}"), "pkg.test=127.0.0.1"),
+                EgressTransport::Socket,
                 data.path(),
                 seen.clone(),
             )
             .expect("gateway"),
         );
         let egress = gateway.open(&crate::ids::new_id()).expect("open");
-        let socket = egress.dir().join(SOCKET_NAME);
+        let socket = egress.dir().expect("a socket").join(SOCKET_NAME);
         let request = format!("CONNECT pkg.test:{port} HTTP/1.1\r\n\r\n");
 
         let answer = ask(&socket, &request).await;
@@ -396,7 +455,7 @@ mod tests {
 
         // The service ends with the handle; the directory (which a kept container mounts)
         // stays until the sandbox is removed.
-        let dir = egress.dir().to_path_buf();
+        let dir = egress.dir().expect("a socket").to_path_buf();
         let name = egress.name().to_string();
         drop(egress);
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -409,7 +468,13 @@ mod tests {
     #[test]
     fn the_sandbox_is_told_of_its_proxy_and_registries() {
         let seen: Arc<dyn EgressObserver> = Arc::new(Seen::default());
-        let off = Gateway::new(&config("", ""), Path::new("/tmp"), seen.clone()).expect("gateway");
+        let off = Gateway::new(
+            &config("", ""),
+            EgressTransport::Socket,
+            Path::new("/tmp"),
+            seen.clone(),
+        )
+        .expect("gateway");
         let env = off.sandbox_env();
         assert!(
             env.contains(&"HTTPS_PROXY=http://127.0.0.1:3128".to_string()),
@@ -423,7 +488,8 @@ mod tests {
         let mut on = config("pypi.test:8080,npm.test", "pypi.test=10.0.0.5");
         on.pip_index_url = "http://pypi.test:8080/simple/".into();
         on.npm_registry = "https://npm.test/".into();
-        let on = Gateway::new(&on, Path::new("/tmp"), seen).expect("gateway");
+        let on =
+            Gateway::new(&on, EgressTransport::Socket, Path::new("/tmp"), seen).expect("gateway");
         let env = on.sandbox_env();
         for expected in [
             "CODEBROKER_EGRESS_SOCKET=/run/codebroker/egress/proxy.sock",

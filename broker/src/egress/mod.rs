@@ -9,3 +9,4 @@
 pub(crate) mod gateway;
 pub(crate) mod policy;
 pub(crate) mod proxy;
+pub(crate) mod tunnel;

@@ -48,6 +48,74 @@ type Waiters = Arc<Mutex<HashMap<JobId, mpsc::Sender<WorkerMessage>>>>;
 /// `MAX_FRAME_BYTES`.
 const JOB_QUEUE: usize = 2;
 
+/// Messages queued for a standing job (the egress tunnel's) before the reader waits. Its
+/// consumer never blocks on them (flow control is the tunnel's own), so this only smooths
+/// bursts.
+const STANDING_QUEUE: usize = 64;
+
+/// Writes whole frames on a runner's channel; cloned by whoever sends without waiting for
+/// an answer (the heartbeat, the egress tunnel).
+#[derive(Clone)]
+pub(crate) struct FrameSender {
+    /// The write half of the attach stream; one frame at a time.
+    writer: Arc<tokio::sync::Mutex<Pin<Box<dyn AsyncWrite + Send>>>>,
+    /// Set when a write fails, which closes the channel.
+    close_tx: Arc<watch::Sender<Option<String>>>,
+    /// Cleared with the close.
+    waiters: Waiters,
+}
+
+impl FrameSender {
+    /// Sends one frame; a failed write closes the channel.
+    pub(crate) async fn send(
+        &self,
+        job: JobId,
+        msg: CoordinatorMessage,
+    ) -> Result<(), ChannelError> {
+        let mut line = serde_json::to_vec(&Multiplexed(job, msg))
+            .map_err(|e| ChannelError::Closed(format!("cannot encode frame: {e}")))?;
+        line.push(b'\n');
+        let mut writer = self.writer.lock().await;
+        let written = async {
+            writer.write_all(&line).await?;
+            writer.flush().await
+        }
+        .await;
+        drop(writer);
+        if let Err(err) = written {
+            let reason = format!("write to the runner failed: {err}");
+            close(&self.close_tx, &self.waiters, &reason);
+            return Err(ChannelError::Closed(reason));
+        }
+        Ok(())
+    }
+}
+
+/// A job that stays open: what the runner sends under it, until the receiver is dropped
+/// (which ends the job here) or the channel closes.
+pub(crate) struct StandingJob {
+    /// The job's id, for the frames sent under it.
+    pub(crate) job: JobId,
+    /// The runner's messages under the job.
+    pub(crate) messages: mpsc::Receiver<WorkerMessage>,
+    /// Where frames under the job (and any other) are written.
+    pub(crate) sender: FrameSender,
+    /// Removes the job's waiter when dropped.
+    _waiter: OwnedWaiter,
+}
+
+/// Removes a standing job's waiter however its consumer ends.
+struct OwnedWaiter {
+    waiters: Waiters,
+    job: JobId,
+}
+
+impl Drop for OwnedWaiter {
+    fn drop(&mut self) {
+        self.waiters.locked().remove(&self.job);
+    }
+}
+
 /// A live channel to one runner.
 pub(crate) struct RunnerChannel {
     /// The write half of the attach stream; one frame at a time (shared with the
@@ -225,22 +293,38 @@ impl RunnerChannel {
     }
 
     async fn send(&self, job: JobId, msg: CoordinatorMessage) -> Result<(), ChannelError> {
-        let mut line = serde_json::to_vec(&Multiplexed(job, msg))
-            .map_err(|e| ChannelError::Closed(format!("cannot encode frame: {e}")))?;
-        line.push(b'\n');
-        let mut writer = self.writer.lock().await;
-        let written = async {
-            writer.write_all(&line).await?;
-            writer.flush().await
+        self.sender().send(job, msg).await
+    }
+
+    /// A handle that writes frames on this channel.
+    pub(crate) fn sender(&self) -> FrameSender {
+        FrameSender {
+            writer: self.writer.clone(),
+            close_tx: self.close_tx.clone(),
+            waiters: self.waiters.clone(),
         }
-        .await;
-        drop(writer);
-        if let Err(err) = written {
-            let reason = format!("write to the runner failed: {err}");
-            self.close(&reason);
-            return Err(ChannelError::Closed(reason));
-        }
-        Ok(())
+    }
+
+    /// Sends `request` as a new job that stays open: the runner's messages under it come
+    /// to the returned [`StandingJob`] until that is dropped.
+    pub(crate) async fn standing_job(
+        &self,
+        request: impl Into<CoordinatorMessage>,
+    ) -> Result<StandingJob, ChannelError> {
+        let job = self.new_job();
+        let (tx, messages) = mpsc::channel(STANDING_QUEUE);
+        self.lock_waiters().insert(job, tx);
+        let standing = StandingJob {
+            job,
+            messages,
+            sender: self.sender(),
+            _waiter: OwnedWaiter {
+                waiters: self.waiters.clone(),
+                job,
+            },
+        };
+        standing.sender.send(job, request.into()).await?;
+        Ok(standing)
     }
 
     fn close_reason(&self) -> String {

@@ -122,6 +122,25 @@ impl Sandbox {
         self
     }
 
+    /// With egress on over the runner transport, has the runner tunnel its connections
+    /// over the channel, served by `gateway` while the sandbox lives.
+    pub(crate) async fn tunnel_egress(
+        mut self,
+        gateway: Option<&std::sync::Arc<crate::egress::gateway::Gateway>>,
+    ) -> anyhow::Result<Sandbox> {
+        use anyhow::Context as _;
+        let Some(gateway) = gateway.filter(|g| g.uses_tunnels()) else {
+            return Ok(self);
+        };
+        let standing = self
+            .channel
+            .standing_job(sandbox_runner::EgressListenRequest {})
+            .await
+            .context("cannot open the egress tunnel")?;
+        self.egress = Some(gateway.open_tunnel(&self.container_id, standing));
+        Ok(self)
+    }
+
     /// Its egress socket, when egress is on.
     pub(crate) fn egress(&self) -> Option<&std::sync::Arc<crate::egress::gateway::SandboxEgress>> {
         self.egress.as_ref()

@@ -20,6 +20,8 @@
 //! filled the pids limit), so a flood cannot take the runner's threads. Nothing here may
 //! stop the runner: a port that cannot be bound is one line on stderr.
 
+use crate::egress_channel::Tunnel;
+use crate::frame::Channel;
 use sandbox_runner::{EGRESS_PROXY_PORT, EGRESS_SOCKET_ENV};
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
@@ -40,14 +42,23 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 const LINGER: Duration = Duration::from_millis(500);
 const LINGER_LIMIT: usize = 64 * 1024;
 /// A connection thread's stack: its buffer is on the heap.
-const THREAD_STACK: usize = 128 * 1024;
+pub(crate) const THREAD_STACK: usize = 128 * 1024;
 /// What one direction of a relay reads at a time (bigger ones were no faster).
 const RELAY_BUFFER: usize = 64 * 1024;
 
+/// Where the forwarder carries connections.
+pub enum Upstream {
+    /// The broker's proxy socket, mounted into the container (Docker).
+    Socket(PathBuf),
+    /// A tunnel over the runner channel, once the broker listens on it (Kubernetes, or a
+    /// broker told to); until then egress is off.
+    Channel(Arc<Tunnel>),
+}
+
 /// How the forwarder answers.
 pub struct Settings {
-    /// The broker's proxy socket; `None`: egress is off.
-    pub upstream: Option<PathBuf>,
+    /// Where connections go.
+    pub upstream: Upstream,
     /// Most connections served at once.
     pub max_connections: usize,
 }
@@ -55,20 +66,28 @@ pub struct Settings {
 /// Starts the forwarder on `127.0.0.1:EGRESS_PROXY_PORT`, in a thread of its own. In a
 /// container (`pid1`) always; on a host only when an egress socket is named, so a runner
 /// tested on a host does not take the host's port 3128. Failures are logged, never fatal.
-pub fn start(pid1: bool) {
-    let upstream = std::env::var_os(EGRESS_SOCKET_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from);
-    if !pid1 && upstream.is_none() {
-        return;
+/// Returns the tunnel, for the frames the broker sends it, when there is no socket: a
+/// broker that tunnels egress over the channel says so with its listen request, and until
+/// then (or never, with egress off) the forwarder answers that egress is off.
+pub fn start(pid1: bool, chan: &Arc<Channel>) -> Option<Arc<Tunnel>> {
+    let socket = std::env::var_os(EGRESS_SOCKET_ENV).filter(|v| !v.is_empty());
+    if !pid1 && socket.is_none() {
+        return None;
     }
+    let (upstream, tunnel) = match socket {
+        Some(path) => (Upstream::Socket(PathBuf::from(path)), None),
+        None => {
+            let tunnel = Arc::new(Tunnel::new(chan.clone()));
+            (Upstream::Channel(tunnel.clone()), Some(tunnel))
+        }
+    };
     let listener = match TcpListener::bind((Ipv4Addr::LOCALHOST, EGRESS_PROXY_PORT)) {
         Ok(l) => l,
         Err(e) => {
             eprintln!(
                 "sandbox-runner: egress: cannot listen on 127.0.0.1:{EGRESS_PROXY_PORT}: {e}"
             );
-            return;
+            return tunnel;
         }
     };
     let settings = Settings {
@@ -81,6 +100,7 @@ pub fn start(pid1: bool) {
     {
         eprintln!("sandbox-runner: egress: cannot start the forwarder: {e}");
     }
+    tunnel
 }
 
 /// Accepts connections for ever, each served in a thread of its own.
@@ -150,15 +170,19 @@ impl Drop for Slot {
 fn handle(mut conn: TcpStream, settings: &Settings) {
     // Small writes (a TLS handshake) go out at once rather than wait for an ACK.
     let _ = conn.set_nodelay(true);
-    let Some(path) = &settings.upstream else {
-        return answer(&mut conn, &Answer::off());
-    };
-    match UnixStream::connect(path) {
-        Ok(broker) => relay(conn, broker),
-        Err(e) => answer(
-            &mut conn,
-            &Answer::unreachable(&format!("{}: {e}", path.display())),
-        ),
+    match &settings.upstream {
+        Upstream::Socket(path) => match UnixStream::connect(path) {
+            Ok(broker) => relay(conn, broker),
+            Err(e) => answer(
+                &mut conn,
+                &Answer::unreachable(&format!("{}: {e}", path.display())),
+            ),
+        },
+        Upstream::Channel(tunnel) => {
+            if let Err(mut conn) = tunnel.relay(conn) {
+                answer(&mut conn, &Answer::off());
+            }
+        }
     }
 }
 
@@ -374,7 +398,11 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let settings = Settings {
-            upstream: upstream.map(Path::to_path_buf),
+            // Without a socket: a tunnel no broker listens on, so egress is off.
+            upstream: match upstream {
+                Some(path) => Upstream::Socket(path.to_path_buf()),
+                None => Upstream::Channel(Arc::new(Tunnel::new(Arc::new(Channel::stdout())))),
+            },
             max_connections,
         };
         std::thread::spawn(move || serve(listener, settings));

@@ -14,8 +14,10 @@ pub mod language;
 pub mod protocol;
 pub mod state;
 pub mod sync;
+pub mod tunnel;
 
 pub use files::*;
 pub use language::Language;
 pub use protocol::*;
 pub use state::*;
+pub use tunnel::*;

@@ -8,8 +8,9 @@
 //!   `ppoll` loop over the pipes of the exec and a wake-up pipe (see `worker`);
 //! * the reaper waits for every child and orphan (see `reaper`);
 //! * `egress` accepts connections on 127.0.0.1:3128, the in-container HTTP proxy, each
-//!   relayed to the broker's proxy socket by two threads of its own (or answered 403 when
-//!   egress is off); never fatal (see `egress`).
+//!   relayed to the broker's proxy socket, or tunnelled over the channel, by two threads
+//!   of its own (or answered 403 when egress is off); never fatal (see `egress`,
+//!   `egress_channel`).
 //!
 //! Children run at nice 10 with an OOM score adjustment of 500, so that under a fork bomb
 //! or memory pressure the runner keeps the CPU it needs and is not the OOM killer's pick.
@@ -36,6 +37,7 @@ mod capture;
 mod client;
 mod compile_cache;
 mod egress;
+mod egress_channel;
 mod frame;
 mod plan;
 mod quota;
@@ -253,7 +255,7 @@ fn main() {
     }
 
     // Best effort: the runner works without it (see `egress`).
-    egress::start(pid1);
+    let tunnel = egress::start(pid1, &chan);
 
     let heard = Arc::new(Heard::new());
     if let Some(limit) = unattended_limit() {
@@ -275,7 +277,7 @@ fn main() {
         match line {
             Ok(Line::Frame(line)) => {
                 if !line.trim_ascii().is_empty() {
-                    handle(&line, &chan, &control, &cfg);
+                    handle(&line, &chan, &control, &cfg, tunnel.as_deref());
                 }
             }
             Ok(Line::TooLong(prefix)) => chan.error(
@@ -303,7 +305,13 @@ fn main() {
 }
 
 /// Acts on one frame from the broker.
-fn handle(line: &[u8], chan: &Channel, control: &Control, cfg: &Config) {
+fn handle(
+    line: &[u8],
+    chan: &Channel,
+    control: &Control,
+    cfg: &Config,
+    tunnel: Option<&egress_channel::Tunnel>,
+) {
     let workdir = cfg.workdir.as_path();
     let (job, msg) = match frame::parse(line) {
         Parsed::Msg(job, msg) => (job, msg),
@@ -377,6 +385,17 @@ fn handle(line: &[u8], chan: &Channel, control: &Control, cfg: &Config) {
                 workspace_files::read(&dir, &req).map(WorkerMessage::FileChunk)
             }),
         ),
+        // Egress over the channel: only when the broker set it up (else the runner has no
+        // tunnel, and says so once for the listen; stray frames are dropped).
+        CoordinatorMessage::EgressListen(_) => match tunnel {
+            Some(tunnel) => tunnel.listen(job),
+            None => chan.error(job, "egress over the channel is off in this sandbox"),
+        },
+        CoordinatorMessage::Egress(frame) => {
+            if let Some(tunnel) = tunnel {
+                tunnel.on_frame(job, frame);
+            }
+        }
         CoordinatorMessage::WriteState(req) => answer(
             chan,
             job,

@@ -13,6 +13,7 @@ use crate::state::{
     ReadStateRequest, RestoreStateRequest, SaveStateRequest, StateRestored, StateSaved,
     WriteStateRequest,
 };
+use crate::tunnel::{EgressListenRequest, TunnelFrame};
 use crate::Language;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -93,6 +94,11 @@ pub enum CoordinatorMessage {
     WriteState(WriteStateRequest),
     /// Have the kernel load the state file before it runs code.
     RestoreState(RestoreStateRequest),
+    /// Carry the sandbox's egress connections over the channel, under this job (see
+    /// [`crate::tunnel`]); never answered but by the tunnel's frames.
+    EgressListen(EgressListenRequest),
+    /// A step of a tunnelled egress connection, under the listening job.
+    Egress(TunnelFrame),
 }
 
 /// A message from the runner to the broker.
@@ -126,6 +132,9 @@ pub enum WorkerMessage {
     StateSaved(StateSaved),
     /// Answer to [`RestoreStateRequest`].
     StateRestored(StateRestored),
+    /// A step of a tunnelled egress connection, under the job of the broker's
+    /// [`CoordinatorMessage::EgressListen`].
+    Egress(TunnelFrame),
 }
 
 /// Ties a request to the message that answers it. The broker narrows the message that

@@ -305,6 +305,7 @@ impl DockerBackend {
                 .await
                 .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))?
                 .context("the runner did not answer")?;
+            let sandbox = sandbox.tunnel_egress(self.egress.get()).await?;
             // Where a start's time goes, for profiling bursts (see docs/PERFORMANCE.md).
             tracing::debug!(
                 container = %short(&id),
@@ -376,16 +377,20 @@ impl DockerBackend {
         }
         let channel = self.attach_channel(container_id).await?;
         let sandbox = Sandbox::adopted(container_id.to_string(), channel, HELLO_TIMEOUT).await?;
-        Ok(sandbox.with_egress(egress))
+        sandbox
+            .with_egress(egress)
+            .tunnel_egress(self.egress.get())
+            .await
     }
 
-    /// The egress socket `name` of a new or adopted sandbox, when egress is on.
+    /// The egress socket `name` of a new or adopted sandbox, when egress is on through
+    /// sockets.
     fn open_egress(
         &self,
         name: &str,
     ) -> anyhow::Result<Option<Arc<crate::egress::gateway::SandboxEgress>>> {
         match self.egress.get() {
-            Some(gateway) if gateway.is_on() => gateway
+            Some(gateway) if gateway.uses_sockets() => gateway
                 .open(name)
                 .map(Some)
                 .with_context(|| format!("cannot open the egress socket {name}")),

@@ -29,11 +29,11 @@ impl DockerBackend {
             format!("{}:/etc/passwd:ro", workspace.sandbox_passwd().display()),
             format!("{}:/etc/group:ro", workspace.sandbox_group().display()),
         ];
-        if let Some(egress) = egress {
+        if let Some((egress, dir)) = egress.and_then(|e| Some((e, e.dir()?))) {
             // The directory of its proxy socket, read-only: connecting needs no write.
             binds.push(format!(
                 "{}:{}:ro",
-                egress.dir().display(),
+                dir.display(),
                 crate::egress::gateway::SANDBOX_DIR
             ));
             labels.insert(labels::EGRESS.to_string(), egress.name().to_string());

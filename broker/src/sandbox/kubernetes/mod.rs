@@ -314,14 +314,17 @@ impl KubernetesBackend {
             .await
             .map_err(|_| anyhow!("the runner did not answer within {HELLO_TIMEOUT:?}"))
             .and_then(|answer| answer.context("the runner did not answer"));
-        match hello {
-            Ok(_) => Ok(sandbox),
+        let sandbox = match hello {
+            Ok(_) => sandbox.tunnel_egress(self.egress.get()).await,
             Err(err) => {
                 // The attach goes first, so the runner is not held while its pod goes.
                 drop(sandbox);
-                super::SandboxEngine::remove(self, &id).await;
                 Err(err)
             }
+        };
+        match sandbox {
+            Ok(sandbox) => Ok(sandbox),
+            Err(err) => Err(err),
         }
     }
 
@@ -505,7 +508,10 @@ impl super::engine::SandboxEngine for KubernetesBackend {
             None => sandbox_id.to_string(),
         };
         let channel = self.attach_channel(&pod).await?;
-        Sandbox::adopted(sandbox_id.to_string(), channel, HELLO_TIMEOUT).await
+        Sandbox::adopted(sandbox_id.to_string(), channel, HELLO_TIMEOUT)
+            .await?
+            .tunnel_egress(self.egress.get())
+            .await
     }
 
     /// A pod's CPU weight is its request, fixed when it is created: never set.
