@@ -59,11 +59,13 @@ test-runsc: image
 	CODEBROKER_RUNTIME=runsc $(MAKE) --no-print-directory librechat-test
 
 # The suites that move files, with every file through the runner instead of the host
-# directory: the path of a backend whose sandboxes the broker cannot see the disk of.
+# directory: the path of a backend whose sandboxes the broker cannot see the disk of. The
+# egress suite with its connections tunnelled over the runner channel, as on Kubernetes.
 RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programmatic \
 	--test lifecycle --test file_transfer --test shared_files --test python_state
-test-runner-files: image
+test-runner-files: image registries
 	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
+	CODEBROKER_EGRESS_TRANSPORT=runner $(CARGO) test -p codebroker --test egress -- --test-threads=2
 	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test
 
 # The Kubernetes backend's whole path (pod create, list and watch, attach, delete, the
@@ -84,7 +86,7 @@ K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
 	--skip without_preload_a_pooled_kernel_imports_nothing_ahead \
 	--skip an_exec_right_after_the_take_stops_the_preload_and_gets_the_usual_weight \
 	--skip a_first_exec_in_another_language_stops_the_preload_too
-test-k8s: image
+test-k8s: image registries
 	$(CARGO) build -p k8s-standin -p codebroker --bins
 	@set -e; dir=$$(mktemp -d); \
 	$(CARGO) run -q -p k8s-standin -- --kubeconfig "$$dir/kubeconfig" & standin=$$!; \
