@@ -232,3 +232,165 @@ impl Conn {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandbox_runner::Multiplexed;
+    use std::io::BufRead as _;
+    use std::net::TcpListener;
+    use std::os::fd::AsRawFd as _;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A listening tunnel whose frames are read back, and a client connection relayed
+    /// through it.
+    struct Harness {
+        tunnel: Arc<Tunnel>,
+        frames: mpsc::Receiver<(JobId, TunnelFrame)>,
+        client: TcpStream,
+        conn: ConnId,
+    }
+
+    const JOB: JobId = 5;
+
+    fn harness() -> Harness {
+        let (read, write) = crate::sys::pipe().expect("pipe");
+        let chan = Arc::new(Channel::to_fd(write.as_raw_fd()));
+        // The channel writes to the raw descriptor for as long as any thread holds it.
+        std::mem::forget(write);
+        let tunnel = Arc::new(Tunnel::new(chan));
+        tunnel.listen(JOB);
+        let (tx, frames) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(std::fs::File::from(read)).lines() {
+                let Ok(line) = line else { return };
+                if let Ok(Multiplexed(job, WorkerMessage::Egress(frame))) =
+                    serde_json::from_str(&line)
+                {
+                    if tx.send((job, frame)).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (served, _) = listener.accept().expect("accept");
+        let relayed = tunnel.clone();
+        std::thread::spawn(move || {
+            let _ = relayed.relay(served);
+        });
+        client
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut h = Harness {
+            tunnel,
+            frames,
+            client,
+            conn: 0,
+        };
+        match h.next(Duration::from_secs(10)) {
+            Some(TunnelFrame::Open { conn }) => h.conn = conn,
+            other => panic!("expected an open, got {other:?}"),
+        }
+        h
+    }
+
+    impl Harness {
+        fn next(&self, wait: Duration) -> Option<TunnelFrame> {
+            let (job, frame) = self.frames.recv_timeout(wait).ok()?;
+            assert_eq!(job, JOB);
+            Some(frame)
+        }
+
+        /// The client's bytes the tunnel sent within `wait` of quiet.
+        fn data_until_quiet(&self, wait: Duration) -> usize {
+            let mut got = 0;
+            while let Some(frame) = self.next(wait) {
+                if let TunnelFrame::Data { data, .. } = frame {
+                    got += data.len();
+                }
+            }
+            got
+        }
+    }
+
+    #[test]
+    fn a_connection_goes_both_ways_with_acks_and_half_closes() {
+        let mut h = harness();
+        let conn = h.conn;
+        h.client.write_all(b"hello").expect("write");
+        assert_eq!(
+            h.next(Duration::from_secs(10)),
+            Some(TunnelFrame::Data {
+                conn,
+                data: b"hello".to_vec()
+            })
+        );
+        h.tunnel.on_frame(
+            JOB,
+            TunnelFrame::Data {
+                conn,
+                data: b"world".to_vec(),
+            },
+        );
+        let mut buf = [0u8; 5];
+        h.client.read_exact(&mut buf).expect("read");
+        assert_eq!(&buf, b"world");
+        assert_eq!(
+            h.next(Duration::from_secs(10)),
+            Some(TunnelFrame::Ack { conn, bytes: 5 })
+        );
+        // A frame under another job is not the broker's: dropped.
+        h.tunnel.on_frame(JOB + 1, TunnelFrame::End { conn });
+        h.tunnel.on_frame(JOB, TunnelFrame::End { conn });
+        let mut rest = Vec::new();
+        h.client.read_to_end(&mut rest).expect("end of file");
+        assert!(rest.is_empty());
+        h.client.shutdown(Shutdown::Write).expect("half close");
+        assert_eq!(
+            h.next(Duration::from_secs(10)),
+            Some(TunnelFrame::End { conn })
+        );
+    }
+
+    #[test]
+    fn the_client_is_read_no_further_than_the_broker_granted() {
+        let h = harness();
+        let conn = h.conn;
+        let mut writer = h.client.try_clone().expect("clone");
+        std::thread::spawn(move || {
+            let _ = writer.write_all(&vec![b'a'; 3 * TUNNEL_WINDOW]);
+        });
+        let quiet = Duration::from_millis(500);
+        assert_eq!(h.data_until_quiet(quiet), TUNNEL_WINDOW, "one window");
+        h.tunnel.on_frame(
+            JOB,
+            TunnelFrame::Ack {
+                conn,
+                bytes: TUNNEL_WINDOW as u64,
+            },
+        );
+        assert_eq!(h.data_until_quiet(quiet), TUNNEL_WINDOW, "one more");
+    }
+
+    #[test]
+    fn a_reset_from_the_broker_ends_the_client_connection() {
+        let mut h = harness();
+        h.tunnel.on_frame(JOB, TunnelFrame::Reset { conn: h.conn });
+        let mut rest = Vec::new();
+        // End of file or a reset, not a hang.
+        let _ = h.client.read_to_end(&mut rest);
+        assert!(rest.is_empty());
+    }
+
+    #[test]
+    fn without_a_listening_broker_the_connection_is_given_back() {
+        let tunnel = Tunnel::new(Arc::new(Channel::stdout()));
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let _client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (served, _) = listener.accept().expect("accept");
+        assert!(tunnel.relay(served).is_err());
+    }
+}

@@ -113,6 +113,8 @@ pub struct Channel {
     /// Serialises writers (the reader thread answers hellos while the worker streams), so
     /// lines never interleave.
     lock: Mutex<()>,
+    /// Where frames go: stdout, or a pipe in tests.
+    fd: std::os::fd::RawFd,
 }
 
 impl Channel {
@@ -120,6 +122,16 @@ impl Channel {
     pub fn stdout() -> Self {
         Channel {
             lock: Mutex::new(()),
+            fd: libc::STDOUT_FILENO,
+        }
+    }
+
+    /// A channel writing to `fd` (a test's pipe), which must outlive it.
+    #[cfg(test)]
+    pub fn to_fd(fd: std::os::fd::RawFd) -> Self {
+        Channel {
+            lock: Mutex::new(()),
+            fd,
         }
     }
 
@@ -134,7 +146,7 @@ impl Channel {
         };
         line.push(b'\n');
         let _guard = self.lock.locked();
-        let _ = sys::write_all_raw(libc::STDOUT_FILENO, &line);
+        let _ = sys::write_all_raw(self.fd, &line);
     }
 
     /// Sends an error message for `job`.
