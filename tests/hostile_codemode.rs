@@ -163,13 +163,39 @@ async fn parallel_fetches_are_bounded_per_exec() {
 #[tokio::test]
 async fn waiting_calls_are_bounded_per_exec() {
     let _turn = ONE_AT_A_TIME.lock().await;
-    let router = axum::Router::new().route(
-        "/slow",
-        axum::routing::post(|| async {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            "done"
-        }),
-    );
+    // Once armed, the endpoint holds every call until 10 s after the first: the calls of
+    // the flood pile up behind the eight in flight however slowly a loaded host makes
+    // them (with a fixed 300 ms, a slow sandbox made them no faster than they drained,
+    // and none was refused).
+    let held_from: Arc<std::sync::Mutex<Option<Option<tokio::time::Instant>>>> =
+        Arc::new(std::sync::Mutex::new(None));
+    let router = {
+        let held_from = held_from.clone();
+        axum::Router::new().route(
+            "/slow",
+            axum::routing::post(move || {
+                let held_from = held_from.clone();
+                async move {
+                    let until = {
+                        let mut held = held_from.lock().unwrap_or_else(|p| p.into_inner());
+                        match &mut *held {
+                            None => None,
+                            Some(first) => {
+                                Some(*first.get_or_insert_with(tokio::time::Instant::now))
+                            }
+                        }
+                    };
+                    match until {
+                        Some(first) => {
+                            tokio::time::sleep_until(first + Duration::from_secs(10)).await
+                        }
+                        None => tokio::time::sleep(Duration::from_millis(300)).await,
+                    }
+                    "done"
+                }
+            }),
+        )
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -190,6 +216,7 @@ async fn waiting_calls_are_bounded_per_exec() {
     let warm = execute(&client, &one).await;
     assert_eq!(warm["result"]["body"], "done", "{warm}");
 
+    *held_from.lock().unwrap_or_else(|p| p.into_inner()) = Some(None);
     let baseline = common::rss_bytes();
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(baseline));
     let sampling = {
@@ -228,6 +255,7 @@ async fn waiting_calls_are_bounded_per_exec() {
     let first_error = flood["result"]["firstError"].as_str().unwrap_or_default();
     assert!(first_error.contains("wait"), "{flood}");
 
+    *held_from.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let next = execute(&client, &one).await;
     assert_eq!(next["result"]["body"], "done", "{next}");
 }
