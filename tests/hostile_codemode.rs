@@ -178,12 +178,8 @@ async fn waiting_calls_are_bounded_per_exec() {
                 async move {
                     let until = {
                         let mut held = held_from.lock().unwrap_or_else(|p| p.into_inner());
-                        match &mut *held {
-                            None => None,
-                            Some(first) => {
-                                Some(*first.get_or_insert_with(tokio::time::Instant::now))
-                            }
-                        }
+                        held.as_mut()
+                            .map(|first| *first.get_or_insert_with(tokio::time::Instant::now))
                     };
                     match until {
                         Some(first) => {

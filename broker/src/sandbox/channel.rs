@@ -66,7 +66,10 @@ pub(crate) struct FrameSender {
 }
 
 impl FrameSender {
-    /// Sends one frame; a failed write closes the channel.
+    /// Sends one frame; a failed write closes the channel. The frame is written whole even
+    /// when the caller stops waiting (a `select!` that took another branch, a dropped
+    /// request): the write runs in a task of its own, since a frame cut short would run
+    /// into the next one and the runner would read neither.
     pub(crate) async fn send(
         &self,
         job: JobId,
@@ -75,13 +78,14 @@ impl FrameSender {
         let mut line = serde_json::to_vec(&Multiplexed(job, msg))
             .map_err(|e| ChannelError::Closed(format!("cannot encode frame: {e}")))?;
         line.push(b'\n');
-        let mut writer = self.writer.lock().await;
-        let written = async {
+        let writer = self.writer.clone();
+        let written = tokio::spawn(async move {
+            let mut writer = writer.lock_owned().await;
             writer.write_all(&line).await?;
             writer.flush().await
-        }
-        .await;
-        drop(writer);
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         if let Err(err) = written {
             let reason = format!("write to the runner failed: {err}");
             close(&self.close_tx, &self.waiters, &reason);
@@ -567,6 +571,49 @@ mod tests {
             matches!(&err, ChannelError::Unexpected(kind) if kind == "file_list"),
             "{err}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_send_given_up_half_way_still_writes_its_whole_frame() {
+        use tokio::io::AsyncBufReadExt as _;
+        let (_out_tx, out_rx) = mpsc::unbounded_channel::<Result<AttachOutput, String>>();
+        // A pipe far smaller than the frame: its write waits for the reader.
+        let (input, sink) = tokio::io::duplex(64);
+        let chan = RunnerChannel::new("t".into(), tokio_stream_from(out_rx), Box::pin(input));
+        let big = CoordinatorMessage::WriteFile(sandbox_runner::WriteFileRequest {
+            name: "f".into(),
+            offset: 0,
+            data: vec![7; 64 * 1024],
+            create: true,
+            read_only: false,
+        });
+        let sender = chan.sender();
+        // Given up while the frame is still being written.
+        let given_up = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            sender.send(1, big.clone()),
+        )
+        .await;
+        assert!(given_up.is_err(), "the write had to wait for the reader");
+        let reader = tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(sink).lines();
+            let mut frames = Vec::new();
+            while frames.len() < 2 {
+                let line = lines.next_line().await.expect("read").expect("a line");
+                frames.push(
+                    serde_json::from_str::<Multiplexed<CoordinatorMessage>>(&line)
+                        .expect("a whole frame"),
+                );
+            }
+            frames
+        });
+        sender
+            .send(2, CoordinatorMessage::Cancel)
+            .await
+            .expect("send");
+        let frames = reader.await.expect("reader");
+        assert_eq!(frames[0], Multiplexed(1, big));
+        assert_eq!(frames[1], Multiplexed(2, CoordinatorMessage::Cancel));
     }
 
     #[tokio::test]
