@@ -75,7 +75,7 @@ pub(crate) async fn serve(
                 let full = conns.locked().len() >= MAX_OPEN_PER_SANDBOX;
                 let taken = conns.locked().contains_key(&conn);
                 let Some(sandbox) = sandbox.upgrade().filter(|_| !full && !taken) else {
-                    reset(&sender, job, conn).await;
+                    reset(&sender, job, conn);
                     continue;
                 };
                 open(&gateway, &sandbox, &conns, &sender, job, conn, &stop);
@@ -99,7 +99,7 @@ pub(crate) async fn serve(
                 if over {
                     tracing::warn!(conn, "egress: the runner sent past its window");
                     drop_conn(&conns, conn);
-                    reset(&sender, job, conn).await;
+                    reset(&sender, job, conn);
                 }
             }
             TunnelFrame::End { .. } => {
@@ -129,10 +129,15 @@ fn drop_conn(conns: &Conns, conn: ConnId) {
     }
 }
 
-async fn reset(sender: &FrameSender, job: JobId, conn: ConnId) {
-    let _ = sender
-        .send(job, CoordinatorMessage::Egress(TunnelFrame::Reset { conn }))
-        .await;
+/// Tells the runner a connection is over, without waiting: the frame reader must never wait
+/// on a write to the runner, which may itself be waiting for the broker to read.
+fn reset(sender: &FrameSender, job: JobId, conn: ConnId) {
+    let sender = sender.clone();
+    tokio::spawn(async move {
+        let _ = sender
+            .send(job, CoordinatorMessage::Egress(TunnelFrame::Reset { conn }))
+            .await;
+    });
 }
 
 /// Starts the task of a new connection: the proxy on one end of an in-memory stream, the
@@ -232,7 +237,7 @@ fn open(
             _ = conn_stop.cancelled() => false,
         };
         if conns.locked().remove(&conn).is_some() && !clean {
-            reset(&sender, job, conn).await;
+            reset(&sender, job, conn);
         }
     });
 }
