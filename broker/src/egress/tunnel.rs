@@ -211,6 +211,11 @@ fn open(
                     Err(_) => return false,
                 };
                 if n == 0 {
+                    // A connection stopped from here (a reset) ends its proxy too, whose end
+                    // of file is not the server's: the runner gets the reset, not an end.
+                    if conn_stop.is_cancelled() {
+                        return false;
+                    }
                     drop(permit);
                     let end = CoordinatorMessage::Egress(TunnelFrame::End { conn });
                     return sender.send(job, end).await.is_ok();
