@@ -53,8 +53,8 @@ pub struct EgressConfig {
     /// sandbox, bind-mounted read-only; Docker only, and the fastest) or `runner` (tunnelled
     /// over the runner's attached stdio; the only one on Kubernetes). Empty: `socket` on
     /// Docker, `runner` on Kubernetes.
-    #[arg(long, env = "CODEBROKER_EGRESS_TRANSPORT", value_enum)]
-    pub egress_transport: Option<EgressTransport>,
+    #[arg(long, env = "CODEBROKER_EGRESS_TRANSPORT", default_value = "", value_parser = parse_transport)]
+    pub egress_transport: TransportSetting,
 
     /// Bytes one session may move through the proxy over its life, both ways. 0: no cap.
     #[arg(long, env = "CODEBROKER_EGRESS_SESSION_BYTES", default_value = "4GiB", value_parser = parse_size)]
@@ -68,4 +68,30 @@ pub enum EgressTransport {
     Socket,
     /// Frames over the runner's attached stdio.
     Runner,
+}
+
+/// The transport asked for, `None` for the backend's own. An alias, so that clap takes the
+/// empty value to the parser instead of refusing it as a missing one.
+pub type TransportSetting = Option<EgressTransport>;
+
+/// `socket`, `runner`, or empty (as `.env.example` leaves it) for the backend's own.
+fn parse_transport(value: &str) -> Result<TransportSetting, String> {
+    match value.trim() {
+        "" => Ok(None),
+        "socket" => Ok(Some(EgressTransport::Socket)),
+        "runner" => Ok(Some(EgressTransport::Runner)),
+        other => Err(format!("{other:?} is not socket, runner or empty")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_empty_transport_is_the_backends_own() {
+        use super::*;
+        assert_eq!(parse_transport(""), Ok(None));
+        assert_eq!(parse_transport("runner"), Ok(Some(EgressTransport::Runner)));
+        assert_eq!(parse_transport("socket"), Ok(Some(EgressTransport::Socket)));
+        assert!(parse_transport("tcp").is_err());
+    }
 }
