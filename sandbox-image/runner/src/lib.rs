@@ -10,6 +10,7 @@
 //! ([`sync`]); the binary is the runner itself.
 
 pub mod files;
+pub mod installs;
 pub mod language;
 pub mod protocol;
 pub mod state;
@@ -17,6 +18,7 @@ pub mod sync;
 pub mod tunnel;
 
 pub use files::*;
+pub use installs::*;
 pub use language::Language;
 pub use protocol::*;
 pub use state::*;

@@ -39,6 +39,7 @@ mod compile_cache;
 mod egress;
 mod egress_channel;
 mod frame;
+mod installs_archive;
 mod plan;
 mod quota;
 mod reaper;
@@ -371,6 +372,10 @@ fn handle(
         // The kernel is the worker's: saving and loading wait for it, in turn with execs.
         CoordinatorMessage::SaveState(req) => control.push(Task::SaveState(job, req)),
         CoordinatorMessage::RestoreState(req) => control.push(Task::RestoreState(job, req)),
+        // Packing and unpacking take seconds for large installs: on the worker, in turn
+        // with execs, so this loop goes on reading frames.
+        CoordinatorMessage::PackInstalls(req) => control.push(Task::PackInstalls(job, req)),
+        CoordinatorMessage::UnpackInstalls(req) => control.push(Task::UnpackInstalls(job, req)),
         // The state file's bytes move like a workspace file's, from the runner's own
         // directory under the temp dir.
         CoordinatorMessage::ReadState(req) => answer(
@@ -378,7 +383,7 @@ fn handle(
             job,
             worker::state_dir(&cfg.tmp, false).and_then(|dir| {
                 let req = sandbox_runner::ReadFileRequest {
-                    name: sandbox_runner::STATE_FILE.into(),
+                    name: req.file.name().into(),
                     offset: req.offset,
                     len: req.len,
                 };
@@ -401,7 +406,7 @@ fn handle(
             job,
             worker::state_dir(&cfg.tmp, true).and_then(|dir| {
                 let req = sandbox_runner::WriteFileRequest {
-                    name: sandbox_runner::STATE_FILE.into(),
+                    name: req.file.name().into(),
                     offset: req.offset,
                     data: req.data,
                     create: req.create,

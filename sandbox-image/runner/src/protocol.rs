@@ -9,6 +9,9 @@ use crate::files::{
     FileChunk, FileList, FileRemoved, FileWritten, ListFilesRequest, ReadFileRequest,
     RemoveFileRequest, WriteFileRequest,
 };
+use crate::installs::{
+    InstallsPacked, InstallsUnpacked, PackInstallsRequest, UnpackInstallsRequest,
+};
 use crate::state::{
     ReadStateRequest, RestoreStateRequest, SaveStateRequest, StateRestored, StateSaved,
     WriteStateRequest,
@@ -94,6 +97,11 @@ pub enum CoordinatorMessage {
     WriteState(WriteStateRequest),
     /// Have the kernel load the state file before it runs code.
     RestoreState(RestoreStateRequest),
+    /// Pack the session's installs into the state directory's archive (see
+    /// [`crate::installs`]).
+    PackInstalls(PackInstallsRequest),
+    /// Unpack the archive written before into the workspace.
+    UnpackInstalls(UnpackInstallsRequest),
     /// Carry the sandbox's egress connections over the channel, under this job (see
     /// [`crate::tunnel`]); never answered but by the tunnel's frames.
     EgressListen(EgressListenRequest),
@@ -132,6 +140,10 @@ pub enum WorkerMessage {
     StateSaved(StateSaved),
     /// Answer to [`RestoreStateRequest`].
     StateRestored(StateRestored),
+    /// Answer to [`PackInstallsRequest`].
+    InstallsPacked(InstallsPacked),
+    /// Answer to [`UnpackInstallsRequest`].
+    InstallsUnpacked(InstallsUnpacked),
     /// A step of a tunnelled egress connection, under the job of the broker's
     /// [`CoordinatorMessage::EgressListen`].
     Egress(TunnelFrame),
@@ -169,6 +181,8 @@ narrow!(FileWritten => crate::files::FileWritten);
 narrow!(FileRemoved => crate::files::FileRemoved);
 narrow!(StateSaved => crate::state::StateSaved);
 narrow!(StateRestored => crate::state::StateRestored);
+narrow!(InstallsPacked => crate::installs::InstallsPacked);
+narrow!(InstallsUnpacked => crate::installs::InstallsUnpacked);
 
 /// Ties a request type to its [`CoordinatorMessage`] variant and its answer.
 macro_rules! request {
@@ -193,6 +207,8 @@ request!(crate::state::SaveStateRequest => SaveState, crate::state::StateSaved);
 request!(crate::state::ReadStateRequest => ReadState, crate::files::FileChunk);
 request!(crate::state::WriteStateRequest => WriteState, crate::files::FileWritten);
 request!(crate::state::RestoreStateRequest => RestoreState, crate::state::StateRestored);
+request!(crate::installs::PackInstallsRequest => PackInstalls, crate::installs::InstallsPacked);
+request!(crate::installs::UnpackInstallsRequest => UnpackInstalls, crate::installs::InstallsUnpacked);
 
 /// Checks the runner is alive, and optionally warms it up.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -61,19 +61,26 @@ pub struct NotKept {
     pub why: String,
 }
 
-/// Send up to `len` bytes of the state file from `offset` (answered with a
+/// Send up to `len` bytes of a file of the state directory from `offset` (answered with a
 /// [`crate::files::FileChunk`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReadStateRequest {
+    /// Which file: the Python state unless said (the field came with the installs).
+    #[serde(default)]
+    pub file: crate::StateFile,
     /// Where to start reading.
     pub offset: u64,
     /// How many bytes at most (capped at [`crate::files::MAX_CHUNK_BYTES`]).
     pub len: u32,
 }
 
-/// Write a piece of the state file (answered with a [`crate::files::FileWritten`]).
+/// Write a piece of a file of the state directory (answered with a
+/// [`crate::files::FileWritten`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WriteStateRequest {
+    /// Which file: the Python state unless said.
+    #[serde(default)]
+    pub file: crate::StateFile,
     /// Where the bytes go.
     pub offset: u64,
     /// The bytes (at most [`crate::files::MAX_CHUNK_BYTES`]).

@@ -167,6 +167,14 @@ impl Worker {
                     let msg = WorkerMessage::StateRestored(self.restore_state(&req));
                     self.chan.send(job, &msg);
                 }
+                Some(Task::PackInstalls(job, req)) => {
+                    let msg = WorkerMessage::InstallsPacked(self.pack_installs(&req));
+                    self.chan.send(job, &msg);
+                }
+                Some(Task::UnpackInstalls(job, req)) => {
+                    let msg = WorkerMessage::InstallsUnpacked(self.unpack_installs(&req));
+                    self.chan.send(job, &msg);
+                }
                 None => self.idle(),
             }
         }

@@ -1682,6 +1682,73 @@ fn workspace_growth_past_the_quota_stops_the_exec() {
     assert_eq!(resp.limits, vec![Limit::Disk], "{}", resp.stderr);
 }
 
+// ----- Installs across runners -----
+
+#[test]
+fn installs_packed_in_one_runner_are_unpacked_in_another() {
+    let mut a = Runner::start();
+    // Nothing installed: nothing packed.
+    let nothing = match a.ask(
+        1,
+        CoordinatorMessage::PackInstalls(sandbox_runner::PackInstallsRequest {
+            max_bytes: 1 << 20,
+        }),
+    ) {
+        WorkerMessage::InstallsPacked(p) => p,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((nothing.bytes, nothing.error), (0, None));
+    let made = a.exec(
+        2,
+        req(
+            Language::Bash,
+            "mkdir -p .local/lib/site/pkg node_modules/.bin node_modules/tool \
+             && echo 'VALUE = 7' > .local/lib/site/pkg/__init__.py \
+             && printf '#!/bin/sh\necho tool ran\n' > node_modules/tool/cli \
+             && chmod 755 node_modules/tool/cli && ln -s ../tool/cli node_modules/.bin/tool \
+             && echo mine > data.txt",
+        ),
+    );
+    assert_eq!(made.exit_code, Some(0), "{made:?}");
+    let packed = match a.ask(
+        3,
+        CoordinatorMessage::PackInstalls(sandbox_runner::PackInstallsRequest {
+            max_bytes: 1 << 20,
+        }),
+    ) {
+        WorkerMessage::InstallsPacked(p) => p,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(packed.error, None, "{packed:?}");
+    let bytes = a.read_state_file(4, sandbox_runner::StateFile::Installs, 4096);
+    assert_eq!(bytes.len() as u64, packed.bytes);
+
+    let mut b = Runner::start();
+    b.write_state_file(1, sandbox_runner::StateFile::Installs, &bytes, 3000);
+    let unpacked = match b.ask(
+        2,
+        CoordinatorMessage::UnpackInstalls(sandbox_runner::UnpackInstallsRequest {
+            max_bytes: bytes.len() as u64,
+        }),
+    ) {
+        WorkerMessage::InstallsUnpacked(u) => u,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((unpacked.error, unpacked.entries), (None, packed.entries));
+    let resp = b.exec(
+        3,
+        req(
+            Language::Bash,
+            "cat .local/lib/site/pkg/__init__.py; node_modules/.bin/tool; ls data.txt",
+        ),
+    );
+    assert_eq!(resp.stdout, "VALUE = 7\ntool ran\n", "{resp:?}");
+    assert!(
+        resp.stderr.contains("No such file"),
+        "only installs: {resp:?}"
+    );
+}
+
 // ----- Python state across runners -----
 
 impl Runner {
@@ -1695,9 +1762,20 @@ impl Runner {
 
     /// The state file's bytes, read in chunks of `len`.
     fn read_state(&mut self, job: JobId, len: u32) -> Vec<u8> {
+        self.read_state_file(job, sandbox_runner::StateFile::Python, len)
+    }
+
+    /// The bytes of `file` of the state directory, read in chunks of `len`.
+    fn read_state_file(
+        &mut self,
+        job: JobId,
+        file: sandbox_runner::StateFile,
+        len: u32,
+    ) -> Vec<u8> {
         let mut bytes = Vec::new();
         loop {
             let req = sandbox_runner::ReadStateRequest {
+                file,
                 offset: bytes.len() as u64,
                 len,
             };
@@ -1716,8 +1794,20 @@ impl Runner {
 
     /// Writes `bytes` as the state file in chunks of `len`.
     fn write_state(&mut self, job: JobId, bytes: &[u8], len: usize) {
+        self.write_state_file(job, sandbox_runner::StateFile::Python, bytes, len);
+    }
+
+    /// Writes `bytes` as `file` of the state directory in chunks of `len`.
+    fn write_state_file(
+        &mut self,
+        job: JobId,
+        file: sandbox_runner::StateFile,
+        bytes: &[u8],
+        len: usize,
+    ) {
         for (i, piece) in bytes.chunks(len).enumerate() {
             let req = sandbox_runner::WriteStateRequest {
+                file,
                 offset: (i * len) as u64,
                 data: piece.to_vec(),
                 create: i == 0,
@@ -1815,7 +1905,11 @@ fn py_state_moves_to_another_runner_and_says_what_it_left_out() {
     assert!(matches!(
         b.ask(
             4,
-            CoordinatorMessage::ReadState(sandbox_runner::ReadStateRequest { offset: 0, len: 10 })
+            CoordinatorMessage::ReadState(sandbox_runner::ReadStateRequest {
+                file: sandbox_runner::StateFile::Python,
+                offset: 0,
+                len: 10
+            })
         ),
         WorkerMessage::Error(_)
     ));

@@ -4,7 +4,10 @@
 use crate::quota::Usage;
 use crate::sys::Waker;
 use sandbox_runner::sync::{unpoisoned, LockExt as _};
-use sandbox_runner::{ExecRequest, JobId, RestoreStateRequest, SaveStateRequest, ToolResult};
+use sandbox_runner::{
+    ExecRequest, JobId, PackInstallsRequest, RestoreStateRequest, SaveStateRequest, ToolResult,
+    UnpackInstallsRequest,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -20,6 +23,10 @@ pub enum Task {
     SaveState(JobId, SaveStateRequest),
     /// Have the kernel (started if need be) load the state file, and answer.
     RestoreState(JobId, RestoreStateRequest),
+    /// Pack the session's installs into the state directory, and answer.
+    PackInstalls(JobId, PackInstallsRequest),
+    /// Unpack the installs archive into the workspace, and answer.
+    UnpackInstalls(JobId, UnpackInstallsRequest),
 }
 
 /// State shared between the reader thread and the worker.

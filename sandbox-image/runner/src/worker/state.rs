@@ -8,8 +8,8 @@ use super::kernel::{Kernel, KernelEvent};
 use super::Worker;
 use crate::sys::{self, Read};
 use sandbox_runner::{
-    not_kept, RestoreStateRequest, SaveStateRequest, StateRestored, StateSaved, STATE_DIR,
-    STATE_FILE,
+    not_kept, InstallsPacked, InstallsUnpacked, PackInstallsRequest, RestoreStateRequest,
+    SaveStateRequest, StateRestored, StateSaved, UnpackInstallsRequest, STATE_DIR, STATE_FILE,
 };
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -93,6 +93,29 @@ impl Worker {
             error: None,
             duration_ms: 0,
         })
+    }
+
+    /// Packs the workspace's installs into the state directory's archive.
+    pub(super) fn pack_installs(&mut self, req: &PackInstallsRequest) -> InstallsPacked {
+        match state_dir(&self.cfg.tmp, true) {
+            Ok(dir) => crate::installs_archive::pack(&self.cfg.workdir, &dir, req.max_bytes),
+            Err(e) => InstallsPacked {
+                error: Some(format!("no state directory: {e}")),
+                ..InstallsPacked::default()
+            },
+        }
+    }
+
+    /// Unpacks the installs archive the broker wrote into the workspace. Before any code
+    /// ran: a kernel started before the installs came would not see the user site.
+    pub(super) fn unpack_installs(&mut self, req: &UnpackInstallsRequest) -> InstallsUnpacked {
+        match state_dir(&self.cfg.tmp, false) {
+            Ok(dir) => crate::installs_archive::unpack(&self.cfg.workdir, &dir, req.max_bytes),
+            Err(e) => InstallsUnpacked {
+                error: Some(format!("no archive of the installs: {e}")),
+                ..InstallsUnpacked::default()
+            },
+        }
     }
 
     /// Has the kernel (started if none runs) load the state file the broker wrote.
