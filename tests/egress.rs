@@ -174,23 +174,14 @@ async fn pip_installs_into_the_session_from_an_allowed_index_and_the_kernel_impo
         "{listed}"
     );
 
-    // The container goes (as after the idle TTL); the install stays with the session. Not
-    // on Kubernetes: a new pod gets the session's files back, and the installs are not
-    // among them (docs/KUBERNETES.md, "Package egress").
+    // The container is killed (not removed by the broker); the install stays with the
+    // session, in the workspace the container mounted. Not on Kubernetes, where a pod lost
+    // that way takes its disk along (installs_survive_the_idle_removal_of_their_sandbox is
+    // the orderly removal, which keeps them there too).
     if !docker::kubernetes() {
         let container = docker::container_of(&broker.instance, &session);
         docker::docker(&["rm", "-f", &container]);
-        let replaced = broker
-            .run(
-                "py",
-                "import cbdemo\nprint('still', cbdemo.VALUE)",
-                Some(&session),
-            )
-            .await;
-        assert!(
-            stdout(&replaced).contains("still installed through the proxy"),
-            "{replaced}"
-        );
+        assert_still_installed(&broker, &session).await;
     }
 
     // The notebook habit a model brings: `!pip install` in a Python cell.
@@ -326,6 +317,123 @@ async fn a_ten_mib_wheel_installs_and_counts_against_the_quota() {
         .run("py", "print('fine')", Some(&session(&refused)))
         .await;
     assert_eq!(stdout(&next).trim(), "fine", "{next}");
+}
+
+/// `cbdemo` imports in `session`'s next exec; that exec's answer.
+async fn assert_still_installed(broker: &TestBroker, session: &str) -> Value {
+    let py = broker
+        .run(
+            "py",
+            "import cbdemo\nprint('still', cbdemo.VALUE)",
+            Some(session),
+        )
+        .await;
+    assert!(
+        stdout(&py).contains("still installed through the proxy"),
+        "{py}"
+    );
+    py
+}
+
+/// Waits until the idle TTL has removed the session's sandbox.
+async fn wait_for_idle_removal(broker: &TestBroker, session: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    let label = format!("codebroker.session={session}");
+    while !docker::containers_matching(&broker.instance, &[&label]).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle sandbox was not removed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// Installs go with the session when the idle TTL removes its sandbox: on Docker in the
+/// workspace, which outlives the container; on Kubernetes, whose pods' disks do not,
+/// packed before the pod goes and unpacked into the next before its first exec.
+#[tokio::test]
+async fn installs_survive_the_idle_removal_of_their_sandbox() {
+    let regs = registries().await;
+    let broker = egress_broker("egress-idle", |c| {
+        egress_config(c, &regs);
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
+    })
+    .await;
+    let code = pip("'install', 'cbdemo'")
+        + "r = subprocess.run(['npm', 'install', 'cbdemo-npm'], capture_output=True, text=True)\n\
+           print('npm exit', r.returncode, r.stderr[-1500:])\n";
+    let first = broker.run("py", &code, None).await;
+    assert!(stdout(&first).contains("pip exit 0"), "{first}");
+    assert!(stdout(&first).contains("npm exit 0"), "{first}");
+    let session = session(&first);
+    let before = docker::container_of(&broker.instance, &session);
+
+    // The idle TTL removes the sandbox (and the kept archive, on Kubernetes, is written
+    // before it goes).
+    wait_for_idle_removal(&broker, &session).await;
+    let kept = broker
+        .data
+        .join("sessions")
+        .join(&session)
+        .join("installs.tar");
+    assert_eq!(kept.exists(), docker::kubernetes(), "{}", kept.display());
+
+    let py = assert_still_installed(&broker, &session).await;
+    assert!(!stderr(&py).contains("Packages installed"), "{py}");
+    assert_ne!(
+        docker::container_of(&broker.instance, &session),
+        before,
+        "the same sandbox"
+    );
+    let js = broker
+        .run(
+            "js",
+            "console.log('value', require('cbdemo-npm').value)",
+            Some(&session),
+        )
+        .await;
+    assert_eq!(stdout(&js).trim(), "value from verdaccio", "{js}");
+}
+
+/// Installs past CODEBROKER_INSTALLS_MAX_BYTES are not kept when a pod goes; the next exec
+/// says so and runs. Kubernetes only: on Docker the workspace keeps them.
+#[tokio::test]
+async fn installs_past_their_bound_are_not_kept_and_the_next_exec_says_so() {
+    if !docker::kubernetes() {
+        eprintln!("skipped: Docker's workspace outlives the container");
+        return;
+    }
+    let regs = registries().await;
+    let broker = egress_broker("egress-bound", |c| {
+        egress_config(c, &regs);
+        c.lifecycle.idle_ttl_secs = 1;
+        c.lifecycle.reap_interval_secs = 1;
+        c.state.installs_max_bytes = 1024;
+    })
+    .await;
+    let first = broker.run("py", &pip("'install', 'cbdemo'"), None).await;
+    assert!(stdout(&first).contains("pip exit 0"), "{first}");
+    let session = session(&first);
+    wait_for_idle_removal(&broker, &session).await;
+    let next = broker
+        .run(
+            "py",
+            "try:\n    import cbdemo\n    print('present')\nexcept ImportError:\n    print('absent')",
+            Some(&session),
+        )
+        .await;
+    assert_eq!(stdout(&next).trim(), "absent", "{next}");
+    let err = stderr(&next);
+    assert!(
+        err.contains("Packages installed earlier in this session were not kept")
+            && err.contains("more than 1024 bytes (CODEBROKER_INSTALLS_MAX_BYTES)"),
+        "{next}"
+    );
+    // Said once; the session goes on.
+    let again = broker.run("py", "print(6 * 7)", Some(&session)).await;
+    assert_eq!(stdout(&again).trim(), "42", "{again}");
+    assert!(!stderr(&again).contains("Packages"), "{again}");
 }
 
 #[tokio::test]

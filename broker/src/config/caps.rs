@@ -29,6 +29,17 @@ pub struct StateConfig {
     /// stderr.
     #[arg(long, env = "CODEBROKER_STATE_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub state_timeout_secs: u64,
+
+    /// Largest archive of a session's installs (`pip install`, `npm install`) kept across
+    /// sandboxes whose disk goes with them (Kubernetes pods): before such a sandbox is
+    /// removed (idle TTL, eviction, a stop with remove), its `.local` and `node_modules` are
+    /// packed in its `/tmp` (charged to its memory), kept beside the session's files, and
+    /// unpacked into the session's next sandbox before its first exec, within
+    /// CODEBROKER_STATE_TIMEOUT_SECS each way. Installs over it are not kept, which the next
+    /// exec's stderr says. The storage budgets bound it too. 0: installs are not kept. On
+    /// Docker the workspace outlives its container and installs stay without it.
+    #[arg(long, env = "CODEBROKER_INSTALLS_MAX_BYTES", default_value = "256MiB", value_parser = parse_size)]
+    pub installs_max_bytes: u64,
 }
 
 impl StateConfig {

@@ -203,7 +203,11 @@ impl Broker {
                 .all()
                 .iter()
                 .filter(|s| s.id() != session.id() && s.owner_key() == owner)
-                .map(|s| s.index().stored_bytes() + s.workspace.saved_state_bytes())
+                .map(|s| {
+                    s.index().stored_bytes()
+                        + s.workspace.saved_state_bytes()
+                        + s.workspace.installs_bytes()
+                })
                 .sum();
             let room = limit.saturating_sub(others);
             if room < budget.room {

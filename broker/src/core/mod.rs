@@ -9,6 +9,7 @@ pub(crate) mod diskspace;
 pub(crate) mod error;
 pub(crate) mod exec;
 pub(crate) mod files;
+mod installs;
 pub(crate) mod limits;
 pub(crate) mod observe;
 pub(crate) mod programmatic;

@@ -10,11 +10,12 @@
 //! sandbox does.
 
 use crate::config::StateConfig;
+use crate::core::installs::{self, InstallRules};
 use crate::core::Broker;
 use crate::sandbox::{runner_state, Sandbox};
 use crate::session::Session;
 use crate::workspace::{SavedState, Workspace};
-use sandbox_runner::NotKept;
+use sandbox_runner::{NotKept, StateFile};
 use sha2::{Digest, Sha256};
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -40,6 +41,8 @@ pub(crate) struct StateRules {
     bounded_by_budget: bool,
     /// The time bound of a save, and of a restore.
     timeout: Duration,
+    /// How the session's installs go to its next sandbox, when its disk does not.
+    installs: Option<InstallRules>,
 }
 
 impl StateRules {
@@ -49,6 +52,7 @@ impl StateRules {
             max_bytes: config.state_max_bytes,
             bounded_by_budget: false,
             timeout: Duration::from_secs(config.state_timeout_secs),
+            installs: None,
         }
     }
 
@@ -74,31 +78,55 @@ impl StateRules {
 }
 
 /// Saves the state of `sandbox`'s kernel for `session`, whose container is about to be
-/// removed; returns within the time bound whatever the sandbox does. Call it holding the
-/// session's turn (no exec runs), before the sandbox is closed.
+/// removed, and its installs when its disk goes with it; returns within the time bounds
+/// whatever the sandbox does. Call it holding the session's turn (no exec runs), before the
+/// sandbox is closed.
 pub(crate) async fn save_before_removal(
     rules: StateRules,
     session: &Session,
     sandbox: &Arc<Sandbox>,
 ) {
+    save_state_before_removal(rules, session, sandbox).await;
+    if let Some(installs) = rules.installs {
+        installs::keep_before_removal(installs, session, sandbox).await;
+    }
+}
+
+/// Runs `work` (which talks to `sandbox`) off the async threads within `bound`; past it
+/// closes the sandbox, so that the request under way fails and `work` can leave its note,
+/// and waits [`SAVE_WIND_DOWN`] more for that. `None` when even that did not come.
+pub(crate) async fn within_bound<T: Send + 'static>(
+    bound: Duration,
+    sandbox: &Sandbox,
+    why: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<Result<T, tokio::task::JoinError>> {
+    let mut task = tokio::task::spawn_blocking(work);
+    match tokio::time::timeout(bound, &mut task).await {
+        Ok(joined) => Some(joined),
+        Err(_) => {
+            sandbox.close(why);
+            tokio::time::timeout(SAVE_WIND_DOWN, task).await.ok()
+        }
+    }
+}
+
+async fn save_state_before_removal(rules: StateRules, session: &Session, sandbox: &Arc<Sandbox>) {
     if !rules.enabled || !sandbox.is_alive() {
         return;
     }
     let started = Instant::now();
     let deadline = started + rules.timeout;
     let (workspace, moved) = (session.workspace.clone(), sandbox.clone());
-    let mut task =
-        tokio::task::spawn_blocking(move || save_blocking(rules, &workspace, &moved, deadline));
-    let outcome = match tokio::time::timeout(rules.timeout, &mut task).await {
-        Ok(joined) => joined,
-        Err(_) => {
-            // Its request under way fails once the channel is closed; it leaves its note.
-            sandbox.close("the Python state took too long to save");
-            match tokio::time::timeout(SAVE_WIND_DOWN, task).await {
-                Ok(joined) => joined,
-                Err(_) => return,
-            }
-        }
+    let Some(outcome) = within_bound(
+        rules.timeout,
+        sandbox,
+        "the Python state took too long to save",
+        move || save_blocking(rules, &workspace, &moved, deadline),
+    )
+    .await
+    else {
+        return;
     };
     let elapsed_ms = started.elapsed().as_millis() as u64;
     match outcome {
@@ -175,8 +203,14 @@ fn pull_state(
     }
     let (part, file) = workspace.state_part()?;
     let mut out = io::BufWriter::with_capacity(1 << 20, file);
-    let pulled = runner_state::pull(sandbox, &mut out, rules.max_bytes, deadline)
-        .and_then(|pulled| io::Write::flush(&mut out).map(|()| pulled));
+    let pulled = runner_state::pull(
+        sandbox,
+        StateFile::Python,
+        &mut out,
+        rules.max_bytes,
+        deadline,
+    )
+    .and_then(|pulled| io::Write::flush(&mut out).map(|()| pulled));
     drop(out);
     let kept = match pulled {
         Ok(Some((sha256, size))) if size == answer.bytes && Instant::now() < deadline => {
@@ -222,6 +256,7 @@ impl Broker {
             rules.max_bytes = room;
             rules.bounded_by_budget = true;
         }
+        rules.installs = self.install_rules_for(session);
         rules
     }
 
@@ -354,7 +389,7 @@ fn push_and_restore(
             "it changed on disk since it was saved".into(),
         ));
     }
-    runner_state::push(sandbox, &path, deadline)?;
+    runner_state::push(sandbox, StateFile::Python, &path, deadline)?;
     let answer = runner_state::restore(sandbox, rules.max_bytes, deadline)?;
     if let Some(error) = answer.error {
         return Ok(Restore::Refused(error));

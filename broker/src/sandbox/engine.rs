@@ -114,6 +114,13 @@ pub(crate) trait SandboxEngine: Send + Sync {
         ))
     }
 
+    /// Whether a sandbox's disk outlives it (a Docker bind mount of the session's
+    /// directory); if not (a pod's `emptyDir`), what the broker does not keep as files,
+    /// the session's installs, is carried to the next sandbox by the runner.
+    fn disk_outlives_sandbox(&self) -> bool {
+        true
+    }
+
     /// Whether `sandbox_id` is new to the files: its disk may lack the session's current
     /// files (a new pod after an eviction), which the runner transport then restores and
     /// reports with [`SandboxEngine::settled`]. An engine whose sandboxes mount the

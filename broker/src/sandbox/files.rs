@@ -20,6 +20,18 @@ pub(crate) enum FileTransport {
     Runner,
 }
 
+/// What bringing a sandbox up to date with its session's files did.
+#[derive(Debug, Default)]
+pub(crate) struct Settled {
+    /// Whether the index changed (and must be saved).
+    pub(crate) index_changed: bool,
+    /// Notes for the exec's stderr.
+    pub(crate) notes: Vec<String>,
+    /// Whether the sandbox's disk started without the session's files (a new pod): what
+    /// else the session carries across sandboxes (its installs) goes in now.
+    pub(crate) new_disk: bool,
+}
+
 /// Where a session's files are: its workspace (the broker's index and blob store; on
 /// the host path also the directory the sandbox mounts) and its live sandbox, if it has one.
 #[derive(Clone)]
@@ -137,23 +149,31 @@ impl SandboxBackend {
 
     /// Brings a newly attached sandbox up to date with its session's files: the moves that
     /// waited for it, and, the first time the engine sees it, the session's current files
-    /// its disk lacks. Returns whether `index` changed, and notes for stderr.
+    /// its disk lacks.
     pub(crate) fn settle_files(
         &self,
         at: &SandboxFiles,
         index: &mut FileIndex,
-    ) -> io::Result<(bool, Vec<String>)> {
+    ) -> io::Result<Settled> {
+        let mut settled = Settled::default();
         let (FileTransport::Runner, Some(sandbox)) = (self.transport, &at.sandbox) else {
-            return Ok((false, Vec::new()));
+            return Ok(settled);
         };
-        let (mut changed, mut notes) = runner_files::apply_pending(&at.workspace, sandbox, index)?;
+        (settled.index_changed, settled.notes) =
+            runner_files::apply_pending(&at.workspace, sandbox, index)?;
         if self.engine.first_settle(&sandbox.container_id) {
             let (restored, more) = runner_files::restore_missing(&at.workspace, sandbox, index)?;
-            changed |= restored;
-            notes.extend(more);
+            settled.index_changed |= restored;
+            settled.notes.extend(more);
+            settled.new_disk = true;
             self.engine.settled(&sandbox.container_id);
         }
-        Ok((changed, notes))
+        Ok(settled)
+    }
+
+    /// Whether a sandbox's disk outlives it (see [`SandboxEngine::disk_outlives_sandbox`]).
+    pub(crate) fn disk_outlives_sandbox(&self) -> bool {
+        self.engine.disk_outlives_sandbox()
     }
 
     /// Whether a pooled sandbox can be handed to a session that has files already.

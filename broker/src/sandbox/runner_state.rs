@@ -1,6 +1,7 @@
 //! The Python state of a sandbox's kernel, through its runner (see `sandbox_runner::state`):
 //! saved to the runner's state file and pulled in chunks before the sandbox is removed;
-//! pushed in chunks into the next sandbox and loaded. Backend-neutral: it needs only the
+//! pushed in chunks into the next sandbox and loaded. The archive of a session's installs
+//! (`sandbox_runner::installs`) moves the same way. Backend-neutral: it needs only the
 //! runner channel, whichever way the backend moves workspace files.
 //!
 //! The bytes are pickles, so the broker treats them as opaque: it never parses them, bounds
@@ -13,8 +14,9 @@
 use super::runner_files::{read_chunks, request_within, write_chunks};
 use super::Sandbox;
 use sandbox_runner::{
-    ReadStateRequest, Request, RestoreStateRequest, SaveStateRequest, StateRestored, StateSaved,
-    WriteStateRequest,
+    InstallsPacked, InstallsUnpacked, PackInstallsRequest, ReadStateRequest, Request,
+    RestoreStateRequest, SaveStateRequest, StateFile, StateRestored, StateSaved,
+    UnpackInstallsRequest, WriteStateRequest,
 };
 use std::io::{self, Write};
 use std::path::Path;
@@ -47,22 +49,32 @@ pub(crate) fn save(
     request_until(sandbox, req, deadline)
 }
 
-/// Copies the saved state file into `out`: its hash and size, or `None` when the runner
-/// sends more than `max_bytes`.
+/// Copies `file` of the runner's state directory into `out`: its hash and size, or `None`
+/// when the runner sends more than `max_bytes`.
 pub(crate) fn pull(
     sandbox: &Sandbox,
+    file: StateFile,
     out: &mut impl Write,
     max_bytes: u64,
     deadline: Instant,
 ) -> io::Result<Option<(String, u64)>> {
-    let fetch = |offset, len| request_until(sandbox, ReadStateRequest { offset, len }, deadline);
+    let fetch = |offset, len| {
+        let req = ReadStateRequest { file, offset, len };
+        request_until(sandbox, req, deadline)
+    };
     read_chunks(fetch, max_bytes, out)
 }
 
-/// Writes the file `src` as the sandbox's state file.
-pub(crate) fn push(sandbox: &Sandbox, src: &Path, deadline: Instant) -> io::Result<()> {
+/// Writes the file `src` as `file` of the runner's state directory.
+pub(crate) fn push(
+    sandbox: &Sandbox,
+    file: StateFile,
+    src: &Path,
+    deadline: Instant,
+) -> io::Result<()> {
     let put = |offset, data, _last| {
         let req = WriteStateRequest {
+            file,
             offset,
             data,
             create: offset == 0,
@@ -85,4 +97,22 @@ pub(crate) fn restore(
     };
     // The runner gives up at the same time; a moment more for its answer to come.
     request_until(sandbox, req, deadline + Duration::from_secs(2))
+}
+
+/// Has the runner pack the workspace's installs into its archive, within `max_bytes`.
+pub(crate) fn pack_installs(
+    sandbox: &Sandbox,
+    max_bytes: u64,
+    deadline: Instant,
+) -> io::Result<InstallsPacked> {
+    request_until(sandbox, PackInstallsRequest { max_bytes }, deadline)
+}
+
+/// Has the runner unpack the archive pushed before into the workspace.
+pub(crate) fn unpack_installs(
+    sandbox: &Sandbox,
+    max_bytes: u64,
+    deadline: Instant,
+) -> io::Result<InstallsUnpacked> {
+    request_until(sandbox, UnpackInstallsRequest { max_bytes }, deadline)
 }

@@ -52,12 +52,18 @@ impl Broker {
         let at = session.files();
         let mut index = session.index().clone();
         let backend = self.backend.clone();
+        let install_time = std::time::Duration::from_secs(self.config.state.state_timeout_secs);
         let settled = tokio::task::spawn_blocking(move || {
-            let (changed, notes) = backend.settle_files(&at, &mut index)?;
-            if changed {
+            let mut settled = backend.settle_files(&at, &mut index)?;
+            if settled.index_changed {
                 at.workspace.save_index(&index)?;
             }
-            Ok::<_, std::io::Error>((changed.then_some(index), notes))
+            if settled.new_disk {
+                let notes = crate::core::installs::restore_into_new_sandbox(&at, install_time);
+                settled.notes.extend(notes);
+            }
+            let changed = settled.index_changed;
+            Ok::<_, std::io::Error>((changed.then_some(index), settled.notes))
         })
         .await;
         match settled {

@@ -639,6 +639,10 @@ impl super::engine::SandboxEngine for KubernetesBackend {
 
     /// A new pod (after the idle TTL, an eviction, a lost node) starts with an empty
     /// workspace, and the broker's store has the session's files: once per pod.
+    fn disk_outlives_sandbox(&self) -> bool {
+        false // an emptyDir goes with its pod
+    }
+
     fn first_settle(&self, sandbox_id: &str) -> bool {
         !self.lock_settled().contains(sandbox_id)
     }
