@@ -9,7 +9,7 @@
 //! What could not be kept or unpacked is said in the next exec's stderr; the exec runs
 //! anyway, and the model installs again.
 
-use crate::core::state::within_bound;
+use crate::core::state::{printable, within_bound};
 use crate::core::Broker;
 use crate::sandbox::{runner_state, Sandbox, SandboxFiles};
 use crate::session::Session;
@@ -127,7 +127,7 @@ fn pack_and_pull(
 ) -> io::Result<Option<InstallsPacked>> {
     let packed = runner_state::pack_installs(sandbox, rules.max_bytes, deadline)?;
     if let Some(error) = &packed.error {
-        let bound = if error.contains("more than") {
+        let bound = if packed.over_bound {
             format!(" ({})", rules.bound())
         } else {
             String::new()
@@ -216,13 +216,6 @@ fn not_restored_note(why: &str) -> String {
          sandbox ({}); install what is missing again.",
         printable(why)
     )
-}
-
-/// What a sandbox said, without control characters (it ends up in an answer's text).
-fn printable(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
 }
 
 #[cfg(test)]

@@ -429,7 +429,7 @@ fn names_and_why(names: &[NotKept]) -> String {
 }
 
 /// What a sandbox said, without control characters (it ends up in an answer's text).
-fn printable(text: &str) -> String {
+pub(crate) fn printable(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()

@@ -58,6 +58,10 @@ pub struct InstallsPacked {
     /// Why nothing could be packed, when so (too large, no room in `/tmp`).
     #[serde(default)]
     pub error: Option<String>,
+    /// Whether the installs went past the request's `max_bytes` (the broker names the
+    /// setting or budget that set it).
+    #[serde(default)]
+    pub over_bound: bool,
     /// How long the pack took in the sandbox.
     pub duration_ms: u64,
 }

@@ -69,6 +69,7 @@ pub(crate) fn pack(workdir: &Path, state_dir: &Path, max_bytes: u64) -> Installs
             };
             InstallsPacked {
                 error: Some(error),
+                over_bound: err.kind() == io::ErrorKind::FileTooLarge,
                 ..InstallsPacked::default()
             }
         }
@@ -296,6 +297,7 @@ mod tests {
         std::fs::write(ws.0.join(".local/big/blob"), vec![7u8; 64 * 1024]).unwrap();
         let packed = pack(&ws.0, &state.0, 32 * 1024);
         assert_eq!(packed.bytes, 0, "{packed:?}");
+        assert!(packed.over_bound, "{packed:?}");
         let error = packed.error.expect("an error");
         assert!(error.contains("more than 32768 bytes"), "{error}");
         assert!(!state.0.join(INSTALLS_FILE).exists());
