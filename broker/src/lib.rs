@@ -14,6 +14,7 @@ pub mod smoke;
 mod audit;
 mod clock;
 mod core;
+mod e2b;
 pub(crate) mod egress;
 mod http;
 mod identity;
@@ -116,7 +117,8 @@ pub async fn run(
         }
     });
     let mcp = mcp::router(&state);
-    let app = http::router(state, mcp);
+    let e2b = e2b::router(&state);
+    let app = http::router(state, mcp, e2b);
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "listening");
     broker.guard_egress_port(addr.port());

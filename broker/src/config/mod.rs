@@ -37,6 +37,7 @@ pub enum LogFormat {
 
 mod access;
 mod caps;
+mod e2b;
 mod egress;
 mod exec;
 mod sandbox;
@@ -44,6 +45,7 @@ mod units;
 
 pub use access::*;
 pub use caps::*;
+pub use e2b::*;
 pub use egress::*;
 pub use exec::*;
 pub use sandbox::*;
@@ -166,6 +168,10 @@ pub struct Config {
     /// Egress: the hosts sandboxes may reach through the broker's proxy, and its caps.
     #[command(flatten)]
     pub egress: EgressConfig,
+
+    /// E2B's SDKs: whether `/e2b` is served, its templates, timeouts and domain.
+    #[command(flatten)]
+    pub e2b: E2bConfig,
 
     /// Log format: `text` or `json`.
     #[arg(

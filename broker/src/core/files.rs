@@ -761,3 +761,63 @@ pub(crate) async fn save_index(
         .map_err(Error::task("index"))?
         .map_err(|e| Error::internal(format!("cannot save the file index: {e}")))
 }
+
+impl Broker {
+    /// The file `name` below `/mnt/data` as the code sees it now, for a front end that
+    /// reads the live workspace (E2B's envd); at most `cap` bytes. Counted and audited as
+    /// a download. A session without a live sandbox on the runner transport serves the
+    /// current stored version.
+    pub(crate) async fn read_live_file(
+        &self,
+        session: &Session,
+        name: &str,
+        cap: u64,
+    ) -> Result<Vec<u8>> {
+        let (at, backend, owned) = (session.files(), self.backend.clone(), name.to_string());
+        let read = tokio::task::spawn_blocking(move || backend.read_file(&at, &owned, cap))
+            .await
+            .map_err(Error::task("read"))?;
+        let missing = || Error::NotFound(format!("path '{name}' does not exist"));
+        let bytes = match read {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => {
+                return Err(Error::TooLarge(format!(
+                    "{name} is larger than {}, the most one read returns",
+                    human_bytes(cap)
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotConnected => {
+                let record = session.index().current(name).cloned().ok_or_else(missing)?;
+                return self.read_download(session, &record, None).await;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(missing()),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::IsADirectory
+                    || e.raw_os_error() == Some(libc::EISDIR) =>
+            {
+                return Err(Error::BadRequest(format!("path '{name}' is a directory")))
+            }
+            Err(e) => match in_the_way(&e) {
+                Some(why) => return Err(Error::BadRequest(format!("cannot read {name}: {why}"))),
+                None => return Err(Error::internal(format!("cannot read {name}: {e}"))),
+            },
+        };
+        // A file the code wrote since the last exec has no record yet: the audit names it.
+        let known = session.index().current(name).cloned();
+        let record = known.unwrap_or_else(|| FileRecord {
+            id: String::new(),
+            name: name.to_string(),
+            size: 0,
+            sha256: String::new(),
+            created_ms: now_ms(),
+            stamp: Default::default(),
+            current: true,
+            origin: Origin::Generated,
+            read_only: false,
+            kind: None,
+            modified_from: None,
+        });
+        self.observe_download(session, &record, bytes.len() as u64, None);
+        Ok(bytes)
+    }
+}

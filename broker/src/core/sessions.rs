@@ -392,3 +392,60 @@ impl Broker {
         Ok((session, record))
     }
 }
+
+impl Broker {
+    /// Ends a session at its front end's request (E2B's kill): waits for its turn (the
+    /// caller cancels a running exec first), removes its sandbox without saving state, then
+    /// its files and its workspace. `false` when it was already gone.
+    pub(crate) async fn delete_session(&self, session: &Arc<Session>) -> bool {
+        let _turn = session.acquire().await;
+        if self.registry.get(session.id()).is_none() {
+            return false;
+        }
+        if let Some(sandbox) = session.set_sandbox(None) {
+            self.discard_sandbox(session, &sandbox).await;
+        }
+        self.registry.remove(session.id());
+        let root = session.workspace.root().to_path_buf();
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(root)).await;
+        self.audit.record(
+            "session_delete",
+            serde_json::json!({
+                "session_id": session.id(),
+                "tenant": session.meta.tenant,
+                "user": session.meta.user,
+            }),
+        );
+        true
+    }
+
+    /// Releases a session's sandbox and keeps its files (E2B's pause): the Python state is
+    /// saved first and loads itself before the session's next Python exec.
+    pub(crate) async fn release_sandbox(&self, session: &Session) {
+        let _turn = session.acquire().await;
+        if let Some(sandbox) = session.sandbox() {
+            self.retire_sandbox(session, &sandbox).await;
+        }
+    }
+
+    /// The session `id` if `tenant` may see it (any user of the tenant: a front end that
+    /// keeps its own owner records, E2B's).
+    pub(crate) fn tenant_session(&self, tenant: Option<&str>, id: &str) -> Option<Arc<Session>> {
+        self.registry
+            .get(id)
+            .filter(|s| !s.is_shared() && same_tenant(tenant, s.meta.tenant.as_deref()))
+    }
+}
+
+impl Broker {
+    /// Restarts a session's kernel (E2B's context restart): its sandbox is removed
+    /// without saving state, and any state saved before is forgotten. Files stay.
+    pub(crate) async fn restart_sandbox(&self, session: &Session) {
+        let _turn = session.acquire().await;
+        if let Some(sandbox) = session.sandbox() {
+            self.discard_sandbox(session, &sandbox).await;
+        }
+        let workspace = session.workspace.clone();
+        let _ = tokio::task::spawn_blocking(move || workspace.forget_state()).await;
+    }
+}

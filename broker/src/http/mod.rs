@@ -63,8 +63,13 @@ impl AppState {
 }
 
 /// Every route, at the root and under `/v1`; `mounted` are the protected routes of other
-/// front ends (MCP), which depend on this layer, not it on them.
-pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
+/// front ends (MCP), which depend on this layer, not it on them; `own_auth` are front
+/// ends that check credentials themselves (E2B's), served at the root only.
+pub(crate) fn router(
+    state: AppState,
+    mounted: Router<AppState>,
+    own_auth: Router<AppState>,
+) -> Router {
     let protected = Router::new()
         .merge(exec::router())
         .merge(programmatic::router())
@@ -85,6 +90,7 @@ pub(crate) fn router(state: AppState, mounted: Router<AppState>) -> Router {
     let mut app = Router::new()
         .merge(routes.clone())
         .nest("/v1", routes)
+        .merge(own_auth)
         .fallback(|| async { AppError::not_found("no such route".into()) });
     // Without credentials, a web page the user visits could reach the broker through a
     // rebound DNS name and read the answers: only the known names are served.

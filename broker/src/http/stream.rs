@@ -87,7 +87,7 @@ pub(super) fn ndjson_response(
 
 /// A stream that yields `beat()` whenever `inner` has yielded nothing for `every`, and
 /// ends with it (what `KeepAlive` does for SSE, for any item type).
-struct Heartbeat<S, F> {
+pub(crate) struct Heartbeat<S, F> {
     inner: Pin<Box<S>>,
     /// Fires `every` after the last item or beat.
     timer: Pin<Box<tokio::time::Sleep>>,
@@ -96,7 +96,7 @@ struct Heartbeat<S, F> {
 }
 
 impl<S, F> Heartbeat<S, F> {
-    fn new(inner: S, every: Duration, beat: F) -> Self {
+    pub(crate) fn new(inner: S, every: Duration, beat: F) -> Self {
         Heartbeat {
             inner: Box::pin(inner),
             timer: Box::pin(tokio::time::sleep(every)),

@@ -2,8 +2,9 @@
 //! (docs/API.md, "Files"), for both contract generations.
 
 pub(super) mod download;
+pub(crate) use download::content_disposition;
 mod guard;
-pub(super) mod upload;
+pub(crate) mod upload;
 
 use super::AppState;
 use crate::http::auth::Caller;

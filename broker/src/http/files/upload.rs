@@ -32,17 +32,17 @@ const MAX_TEXT_FIELD_BYTES: usize = 8 * 1024;
 const MAX_TEXT_FIELDS: usize = 64;
 
 /// What a multipart upload carried.
-struct UploadForm {
+pub(crate) struct UploadForm {
     /// Files staged on disk, in order.
-    staged: Vec<StagedFile>,
+    pub(crate) staged: Vec<StagedFile>,
     /// Files refused, with the reason (batch uploads report them per file).
-    refused: Vec<(String, AppError)>,
+    pub(crate) refused: Vec<(String, AppError)>,
     /// The text fields.
-    fields: HashMap<String, String>,
+    pub(crate) fields: HashMap<String, String>,
 }
 
 /// Removes staged files that never reached a session.
-struct StagingGuard(Vec<PathBuf>);
+pub(crate) struct StagingGuard(pub(crate) Vec<PathBuf>);
 
 impl Drop for StagingGuard {
     fn drop(&mut self) {
@@ -64,11 +64,15 @@ const FREE_DISK_CHECK_BYTES: u64 = 8 * 1024 * 1024;
 /// of one upload together never more than the session storage budget (each is kept and
 /// placed, so more could never be stored), and never while the data volume is below
 /// CODEBROKER_MIN_FREE_DISK.
-async fn read_form(
+///
+/// `names` turns a part's file name into its path below `/mnt/data` (a front end with
+/// paths of its own maps them here).
+pub(crate) async fn read_form(
     broker: &Broker,
     headers: &HeaderMap,
     body: Body,
     strict: bool,
+    names: &(dyn Fn(&str) -> crate::core::Result<PathBuf> + Sync),
 ) -> AppResult<(UploadForm, StagingGuard)> {
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -122,7 +126,7 @@ async fn read_form(
                 "at most {MAX_FILES_PER_UPLOAD} files per upload"
             )));
         }
-        let name = match Broker::check_upload_name(&file_name) {
+        let name = match names(&file_name) {
             Ok(n) => n,
             Err(err) if strict => return Err(err.into()),
             Err(err) => {
@@ -300,7 +304,14 @@ pub(super) async fn upload(
     headers: HeaderMap,
     body: Body,
 ) -> AppResult<Json<Value>> {
-    let (mut form, guard) = read_form(&state.broker, &headers, body, true).await?;
+    let (mut form, guard) = read_form(
+        &state.broker,
+        &headers,
+        body,
+        true,
+        &Broker::check_upload_name,
+    )
+    .await?;
     if form.staged.is_empty() {
         return Err(AppError::bad_request(
             "no file in the upload: send multipart field `file`".into(),
@@ -355,7 +366,14 @@ pub(super) async fn upload_batch(
     headers: HeaderMap,
     body: Body,
 ) -> AppResult<Json<Value>> {
-    let (mut form, guard) = read_form(&state.broker, &headers, body, false).await?;
+    let (mut form, guard) = read_form(
+        &state.broker,
+        &headers,
+        body,
+        false,
+        &Broker::check_upload_name,
+    )
+    .await?;
     if form.staged.is_empty() && form.refused.is_empty() {
         return Err(AppError::bad_request(
             "no file in the upload: send multipart fields `file`".into(),

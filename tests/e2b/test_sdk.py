@@ -1,0 +1,112 @@
+"""E2B's own Python SDKs (e2b, e2b-code-interpreter) against codebroker."""
+
+import pytest
+from e2b import Sandbox, SandboxQuery
+from e2b.exceptions import NotFoundException
+from e2b_code_interpreter import Sandbox as CodeSandbox
+
+
+def test_a_sandbox_is_created_listed_and_killed(broker):
+    sbx = Sandbox.create(metadata={"suite": "e2b", "case": "lifecycle"}, timeout=120)
+    try:
+        info = sbx.get_info()
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.state.value == "running"
+        assert info.metadata["case"] == "lifecycle"
+        assert sbx.is_running()
+        listed = Sandbox.list(query=SandboxQuery(metadata={"case": "lifecycle"})).next_items()
+        assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+        sbx.set_timeout(60)
+    finally:
+        assert sbx.kill() is True
+    assert Sandbox.kill(sbx.sandbox_id) is False
+    with pytest.raises(Exception) as err:
+        Sandbox.get_info(sbx.sandbox_id)
+    assert "doesn't exist" in str(err.value) or isinstance(err.value, NotFoundException)
+
+
+def test_commands_run_with_output_exit_codes_env_and_cwd(broker):
+    with Sandbox.create(envs={"FROM_SANDBOX": "s"}) as sbx:
+        result = sbx.commands.run("echo hi; echo err >&2")
+        assert result.exit_code == 0
+        assert result.stdout == "hi\n"
+        assert result.stderr == "err\n"
+        chunks = []
+        result = sbx.commands.run(
+            "for i in 1 2 3; do echo line $i; done",
+            on_stdout=chunks.append,
+        )
+        assert "".join(chunks) == "line 1\nline 2\nline 3\n"
+        result = sbx.commands.run(
+            'echo "$FROM_SANDBOX $FROM_CALL $(pwd)"',
+            envs={"FROM_CALL": "c"},
+        )
+        assert result.stdout == "s c /mnt/data\n"
+        sbx.files.make_dir("/home/user/sub")
+        result = sbx.commands.run("pwd", cwd="/home/user/sub")
+        assert result.stdout.strip() == "/mnt/data/sub"
+        from e2b.sandbox.commands.command_handle import CommandExitException
+        with pytest.raises(CommandExitException) as failed:
+            sbx.commands.run("echo out; exit 3")
+        assert failed.value.exit_code == 3
+        assert failed.value.stdout == "out\n"
+
+
+def test_files_are_written_read_listed_and_removed(broker):
+    with Sandbox.create() as sbx:
+        info = sbx.files.write("/home/user/a.txt", "hello")
+        assert info.path == "/home/user/a.txt"
+        assert sbx.files.read("/home/user/a.txt") == "hello"
+        assert sbx.files.read("a.txt", format="bytes") == b"hello"
+        sbx.files.write_files([
+            {"path": "/home/user/d/one.txt", "data": "1"},
+            {"path": "/home/user/d/two.bin", "data": b"\x00\x01"},
+        ])
+        names = sorted(e.name for e in sbx.files.list("/home/user/d"))
+        assert names == ["one.txt", "two.bin"]
+        assert sbx.files.exists("/home/user/d/one.txt")
+        assert not sbx.files.exists("/home/user/nope.txt")
+        entry = sbx.files.get_info("/home/user/d/two.bin")
+        assert entry.size == 2 and entry.type.value == "file"
+        # What the code writes is there to read, and what is written the code reads.
+        sbx.commands.run("echo from-code > /home/user/made.txt")
+        assert sbx.files.read("/home/user/made.txt") == "from-code\n"
+        assert sbx.commands.run("cat /mnt/data/a.txt").stdout == "hello"
+        moved = sbx.files.rename("/home/user/a.txt", "/home/user/b.txt")
+        assert moved.path == "/home/user/b.txt"
+        sbx.files.remove("/home/user/b.txt")
+        assert not sbx.files.exists("/home/user/b.txt")
+        assert sbx.files.make_dir("/home/user/new") is True
+        assert sbx.files.make_dir("/home/user/new") is False
+        from e2b.exceptions import NotFoundException as FileNotFound
+        with pytest.raises(FileNotFound):
+            sbx.files.read("/home/user/missing.txt")
+
+
+def test_code_runs_in_one_kernel_with_logs_results_and_errors(broker):
+    with CodeSandbox.create() as sbx:
+        first = sbx.run_code("x = 41\nprint('x is', x)")
+        assert first.error is None
+        assert first.logs.stdout == ["x is 41\n"]
+        second = sbx.run_code("x += 1\nprint(x)")
+        assert "".join(second.logs.stdout) == "42\n"
+        failed = sbx.run_code("1/0")
+        assert failed.error is not None
+        assert failed.error.name == "ZeroDivisionError"
+        assert failed.error.value == "division by zero"
+        figure = sbx.run_code(
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+        )
+        assert figure.error is None
+        assert any(r.png for r in figure.results), figure
+        seen = []
+        sbx.run_code("import sys\nprint('out')\nprint('err', file=sys.stderr)",
+                     on_stdout=lambda m: seen.append(("out", m.line)),
+                     on_stderr=lambda m: seen.append(("err", m.line)))
+        assert ("out", "out\n") in seen and ("err", "err\n") in seen
+        env = sbx.run_code("import os\nprint(os.environ.get('ONLY_HERE'))", envs={"ONLY_HERE": "yes"})
+        assert env.logs.stdout == ["yes\n"]
+        after = sbx.run_code("import os\nprint(os.environ.get('ONLY_HERE'))")
+        assert after.logs.stdout == ["None\n"]
+        bash = sbx.run_code("echo from bash", language="bash")
+        assert bash.logs.stdout == ["from bash\n"]
