@@ -17,6 +17,13 @@ expression's repr is printed, top-level `await` works (on one event loop kept ac
 `plt.show()` saves the open figures as plot-<n>.png in the workspace and closes them (and
 reports each as a `display` event).
 
+A request with `"rich": true` (E2B's and Jupyter's front ends) shows values as MIME bundles
+instead of printing them: a trailing expression's value, `display(obj)`, and figures still
+open at the end of the cell each send one `display` event of MIME type
+`application/x.codebroker-bundle+json` whose `data` is {"main": bool, "data": {mime: value}}
+(binary values base64); an uncaught exception is sent as `application/x.codebroker-error+json`
+({"name", "value", "traceback"}) instead of its traceback on stderr. See "Rich results".
+
 A request with `tools` (a list of {"name", "description", "parameters"}) and `tool_socket` (the
 exec's tool socket) gets one `async def` per tool in the cell's globals, with a signature made
 from the tool's JSON Schema, and `ToolError`; they are removed again before the next cell
@@ -574,6 +581,63 @@ def _new_plot_file():
 
 
 DISPLAY = [None]  # the kernel's display(mime, name) once it runs, for plt.show()
+BUNDLE_MIME = "application/x.codebroker-bundle+json"
+ERROR_MIME = "application/x.codebroker-error+json"
+
+# The `_repr_*_` methods a bundle is made of, by MIME type (IPython's display formatter).
+REPR_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("text/latex", "_repr_latex_"),
+    ("application/json", "_repr_json_"),
+    ("application/javascript", "_repr_javascript_"),
+    ("application/pdf", "_repr_pdf_"),
+)
+
+
+def _is_figure(value):
+    figure = sys.modules.get("matplotlib.figure")
+    return figure is not None and isinstance(value, getattr(figure, "Figure", ()))
+
+
+def mime_bundle(value):
+    """{mime: value} for `value`: its `_repr_*_` results (binary ones base64, JSON as
+    an object) and its repr as text/plain. A method that fails is left out."""
+    import base64
+
+    bundle = {}
+    for mime, name in REPR_METHODS:
+        method = getattr(type(value), name, None)
+        if method is None:
+            continue
+        try:
+            shown = method(value)
+        except Exception:
+            continue
+        if isinstance(shown, tuple):  # (data, metadata)
+            shown = shown[0] if shown else None
+        if shown is None:
+            continue
+        if isinstance(shown, (bytes, bytearray)):
+            shown = base64.b64encode(bytes(shown)).decode("ascii")
+        elif mime != "application/json" and not isinstance(shown, str):
+            shown = str(shown)
+        bundle[mime] = shown
+    if _is_figure(value):
+        buf = io.BytesIO()
+        try:
+            value.savefig(buf, format="png")
+            bundle["image/png"] = base64.b64encode(buf.getvalue()).decode("ascii")
+        except Exception:
+            pass
+    try:
+        bundle["text/plain"] = repr(value)
+    except Exception:
+        bundle["text/plain"] = "<%s object>" % type(value).__name__
+    return bundle
 
 
 class LazyArtistSet:
@@ -1149,6 +1213,7 @@ class Kernel:
         self.idle = False  # between cells: SIGCHLD is the kernel's (reap_while_idle)
         self.cell_sigchld = None  # the SIGCHLD disposition a cell set, given back to the next
         self.request_id = None  # the request being run, for display events
+        self.rich = False  # the request wants MIME bundles (see "Rich results")
         self.tool_globals = {}  # name -> object the kernel put in the globals for tools
         self.preload = None  # the Preload a `preload` request started
         self.requests_seen = False  # a request other than `preload` came: no preload now
@@ -1187,6 +1252,70 @@ class Kernel:
         try:
             self.channel.send({"event": "display", "id": self.request_id, "mime": mime, "name": name})
         except OSError:
+            pass
+
+    # -- Rich results ----------------------------------------------------------------------
+    #
+    # For front ends that show values as notebooks do (E2B's interpreter, the Jupyter
+    # protocol): a value becomes a MIME bundle built from its `_repr_*_` methods, as
+    # IPython's display formatter does, with `text/plain` always (its repr). Figures
+    # become `image/png` (saved as plot-<n>.png too, so the file is there as in
+    # LibreChat's answer). The LibreChat path never asks for it, and prints.
+
+    def send_rich(self, mime, payload):
+        flush_output()  # what was printed before the value comes before it
+        try:
+            import json
+
+            self.channel.send(
+                {"event": "display", "id": self.request_id, "mime": mime, "data": json.dumps(payload)}
+            )
+        except (OSError, TypeError, ValueError):
+            pass
+
+    def send_bundle(self, value, main=False):
+        bundle = mime_bundle(value)
+        if bundle:
+            self.send_rich(BUNDLE_MIME, {"main": main, "data": bundle})
+
+    def display_value(self, *values, **_options):
+        """`display(obj, ...)`: each value as a bundle (IPython's display(), as notebooks
+        and E2B's interpreter offer it)."""
+        for value in values:
+            if _is_figure(value):
+                self.send_figure(value)
+            else:
+                self.send_bundle(value)
+
+    def send_figure(self, figure):
+        import base64
+
+        buf = io.BytesIO()
+        figure.savefig(buf, format="png")
+        self.send_rich(
+            BUNDLE_MIME,
+            {
+                "main": False,
+                "data": {
+                    "image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
+                    "text/plain": repr(figure),
+                },
+            },
+        )
+
+    def show_open_figures(self):
+        """Figures the cell left open are shown, as a notebook's inline backend does."""
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is None:
+            return
+        try:
+            for num in plt.get_fignums():
+                fig = plt.figure(num)
+                try:
+                    self.send_figure(fig)
+                finally:
+                    plt.close(fig)
+        except Exception:
             pass
 
     def install_tools(self, tools, socket_path):
@@ -1304,13 +1433,23 @@ class Kernel:
         """Run one cell; (exit code, the exception to report or None)."""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.prepare(args)
+        if self.rich:
+            builtins = self.ns.get("__builtins__")
+            target = builtins if isinstance(builtins, dict) else getattr(builtins, "__dict__", {})
+            target.setdefault("display", self.display_value)
         try:
             self.install_tools(tools, tool_socket)
             body, expr = self.compile(code)
             self.evaluate(body)
+            value = None
             if expr is not None:
                 value = self.evaluate(expr)
-                if value is not None and not code.rstrip().endswith(";"):
+            if self.rich:
+                self.show_open_figures()
+            if value is not None and not code.rstrip().endswith(";"):
+                if self.rich:
+                    self.send_bundle(value, main=True)
+                else:
                     print(repr(value))
             return 0, None
         except SystemExit as e:
@@ -1360,7 +1499,27 @@ class Kernel:
         return new
 
     def report(self, exc):
-        """Write exc's traceback (a SystemExit's message) to the kernel's stderr."""
+        """Write exc's traceback (a SystemExit's message) to the kernel's stderr; in rich
+        mode, send it as an error event instead."""
+        if self.rich and not isinstance(exc, SystemExit):
+            try:
+                import linecache
+                import traceback
+
+                fill_linecache(linecache)
+                tb = self.user_traceback(exc)
+                exc.__traceback__ = tb
+                sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+                text = "".join(traceback.format_exception(type(exc), exc, tb))
+                try:
+                    value = str(exc)
+                except BaseException:
+                    value = ""
+                error = {"name": type(exc).__name__, "value": value, "traceback": text}
+                self.send_rich(ERROR_MIME, error)
+                return
+            except BaseException:
+                pass
         if isinstance(exc, SystemExit):
             try:
                 text = "%s\n" % (exc.code,)
@@ -1491,6 +1650,7 @@ class Kernel:
                         pass
                 else:
                     self.request_id = req_id
+                    self.rich = req.get("rich") is True
                     exit_code, error = self.run(code, args, tools, tool_socket)
             except KeyboardInterrupt:
                 # SIGINT landed in the kernel's own code around the cell: still an interrupt.

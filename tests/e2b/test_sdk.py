@@ -88,12 +88,34 @@ def test_code_runs_in_one_kernel_with_logs_results_and_errors(broker):
         first = sbx.run_code("x = 41\nprint('x is', x)")
         assert first.error is None
         assert first.logs.stdout == ["x is 41\n"]
-        second = sbx.run_code("x += 1\nprint(x)")
+        second = sbx.run_code("x += 1\nprint(x)\nx")
         assert "".join(second.logs.stdout) == "42\n"
+        assert second.text == "42"
+        assert second.results[0].is_main_result
         failed = sbx.run_code("1/0")
         assert failed.error is not None
         assert failed.error.name == "ZeroDivisionError"
         assert failed.error.value == "division by zero"
+        assert "Traceback" in failed.error.traceback
+        assert failed.logs.stderr == []
+        table = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
+        assert table.error is None
+        assert "<table" in table.results[0].html
+        assert "a" in table.text
+        text = sbx.run_code("'quoted'")
+        assert text.text == "quoted"
+        shown = sbx.run_code(
+            "class Rich:\n"
+            "    def _repr_markdown_(self): return '**bold**'\n"
+            "    def _repr_json_(self): return {'k': 1}\n"
+            "display(Rich())\n"
+            "None"
+        )
+        assert shown.results[0].markdown == "**bold**"
+        assert shown.results[0].json == {"k": 1}
+        assert not shown.results[0].is_main_result
+        left_open = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([3, 1, 2]);")
+        assert left_open.results and left_open.results[0].png
         figure = sbx.run_code(
             "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
         )

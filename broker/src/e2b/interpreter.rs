@@ -280,6 +280,7 @@ async fn run_execution(
     }
     let cancel = CancellationToken::new();
     let (events, mut received) = mpsc::channel::<ExecEvent>(64);
+    let mut error_sent = false;
     let run = run_code(
         &request,
         lang,
@@ -293,7 +294,10 @@ async fn run_execution(
         let next = tokio::select! {
             outcome = &mut run => break outcome,
             event = received.recv() => match event {
-                Some(event) => event_line(&request, event).await,
+                Some(event) => {
+                    error_sent |= is_error(&event);
+                    event_line(&request, event).await
+                }
                 None => None,
             },
             () = tokio::time::sleep(KEEPALIVE) => Some(line(&json!({"type": "keepalive"}))),
@@ -306,6 +310,7 @@ async fn run_execution(
         }
     };
     while let Ok(event) = received.try_recv() {
+        error_sent |= is_error(&event);
         if let Some(next) = event_line(&request, event).await {
             let _ = lines.send(next).await;
         }
@@ -328,6 +333,8 @@ async fn run_execution(
         }
     }
     let error = match outcome {
+        // The kernel sent the exception itself.
+        Ok(run) if error_sent && matches!(run.verdict, Verdict::Failed(_)) => None,
         Ok(run) => error_of(lang, &run, cap),
         Err(err) => Some(json!({
             "type": "error",
@@ -340,6 +347,11 @@ async fn run_execution(
         let _ = lines.send(line(&error)).await;
     }
     let _ = lines.send(line(&json!({"type": "end_of_execution"}))).await;
+}
+
+/// Whether `event` is the kernel's uncaught exception.
+fn is_error(event: &ExecEvent) -> bool {
+    matches!(event, ExecEvent::Display(d) if d.mime == ERROR_MIME)
 }
 
 /// The line for one event of the exec.
@@ -361,8 +373,62 @@ async fn event_line(request: &DataRequest, event: ExecEvent) -> Option<Bytes> {
     }
 }
 
+/// The kernel's MIME bundle of a shown value (rich mode).
+const BUNDLE_MIME: &str = "application/x.codebroker-bundle+json";
+/// The kernel's uncaught exception (rich mode).
+const ERROR_MIME: &str = "application/x.codebroker-error+json";
+
+/// A bundle `{"main": bool, "data": {mime: value}}` as E2B's `result`.
+fn bundle_result(payload: &str) -> Option<Value> {
+    let payload: Value = serde_json::from_str(payload).ok()?;
+    let mut result = json!({
+        "type": "result",
+        "is_main_result": payload["main"].as_bool().unwrap_or(false),
+    });
+    for (mime, value) in payload["data"].as_object()? {
+        let field = result_field(mime);
+        match field {
+            // E2B strips one pair of quotes from text/plain (a repr of a str).
+            "text" => {
+                let text = value.as_str().unwrap_or_default();
+                let stripped = ["'", "\""].iter().find_map(|q| {
+                    text.strip_prefix(q)
+                        .and_then(|t| t.strip_suffix(q))
+                        .filter(|_| text.len() >= 2)
+                });
+                result["text"] = json!(stripped.unwrap_or(text));
+            }
+            "extra" => result["extra"][mime] = value.clone(),
+            "json" => {
+                result["json"] = match value {
+                    Value::String(s) => serde_json::from_str(s).unwrap_or(value.clone()),
+                    other => other.clone(),
+                }
+            }
+            _ => result[field] = value.clone(),
+        }
+    }
+    Some(result)
+}
+
+/// The kernel's error event as E2B's `error` line.
+fn error_line(payload: &str) -> Option<Value> {
+    let error: Value = serde_json::from_str(payload).ok()?;
+    Some(json!({
+        "type": "error",
+        "name": error["name"].as_str().unwrap_or("Error"),
+        "value": error["value"].as_str().unwrap_or(""),
+        "traceback": error["traceback"].as_str().unwrap_or(""),
+    }))
+}
+
 /// A display as E2B's `result` (not the main one: a figure, a shown value).
 async fn display_result(request: &DataRequest, display: &Display) -> Option<Value> {
+    match (display.mime.as_str(), &display.data) {
+        (BUNDLE_MIME, Some(payload)) => return bundle_result(payload),
+        (ERROR_MIME, Some(payload)) => return error_line(payload),
+        _ => {}
+    }
     let value = match (&display.name, &display.data) {
         (Some(name), _) => {
             let bytes = request

@@ -375,6 +375,8 @@ pub(super) async fn run_code(
         timeout_ms,
         files: Vec::new(),
         tenant: sandbox.tenant.clone(),
+        // Python values as MIME bundles, exceptions as events: E2B's results.
+        rich: lang == Language::Py,
     };
     let hooks = ExecHooks {
         events,

@@ -136,6 +136,7 @@ impl ExecBody {
             timeout_ms,
             files,
             tenant: caller.tenant.clone(),
+            rich: false,
         };
         Ok((choice, input))
     }

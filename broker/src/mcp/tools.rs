@@ -422,6 +422,7 @@ impl CodeTools {
             timeout_ms: None,
             files: Vec::new(),
             tenant: caller.tenant.clone(),
+            rich: false,
         };
         let hooks = ExecHooks {
             cancel: Some(cancel),

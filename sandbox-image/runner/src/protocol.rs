@@ -280,6 +280,11 @@ pub struct ExecRequest {
     /// How many bytes of display events (MIME type, name and value) the exec may send.
     #[serde(default = "default_max_display_bytes")]
     pub max_display_bytes: u64,
+    /// Python: show values as MIME bundles (a trailing expression, `display()`, open
+    /// figures) and send an uncaught exception as an event, for front ends that show them
+    /// as notebooks do; without it values are printed (sandbox-image/README.md).
+    #[serde(default)]
+    pub rich: bool,
 }
 
 /// Display events per exec when the request names no budget (an older broker).

@@ -57,6 +57,9 @@ pub(crate) struct ExecInput {
     pub(crate) files: Vec<InputFile>,
     /// The caller's tenant: whose shared files (skills, agent files) `files` may name.
     pub(crate) tenant: Option<String>,
+    /// Python values as MIME bundles, exceptions as events (E2B's interpreter), instead
+    /// of printed.
+    pub(crate) rich: bool,
 }
 
 /// What a front end attaches to an exec besides its input.

@@ -143,6 +143,7 @@ impl Broker {
             tools: specs,
             max_display_events: self.config.exec_limits.max_display_events,
             max_display_bytes: self.config.exec_limits.max_display_bytes,
+            rich: input.rich,
         };
         // Calls to tools the code was not given are answered here, never sent on.
         let (refusals_tx, refusals) = mpsc::unbounded_channel::<ToolResult>();

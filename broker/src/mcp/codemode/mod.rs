@@ -453,6 +453,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
             files: Vec::new(),
             // No input refs, so no shared files to read.
             tenant: None,
+            rich: false,
         };
         let hooks = ExecHooks {
             events: Some(events_tx),

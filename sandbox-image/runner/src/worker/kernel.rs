@@ -374,6 +374,9 @@ impl Worker {
         k.last_id += 1;
         let id = k.last_id;
         let mut request = serde_json::json!({"id": id, "code": req.code, "args": req.args});
+        if req.rich {
+            request["rich"] = serde_json::json!(true);
+        }
         if !req.tools.is_empty() {
             // Without a socket (it could not be set up) the functions still exist, and
             // raise ToolError when called.
