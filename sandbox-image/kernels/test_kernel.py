@@ -316,6 +316,51 @@ def test_trailing_expression():
         assert_ok(k.run("if True:\n    7\n"), "")  # not a top-level expression
 
 
+def test_rich_mode_shows_values_as_bundles_and_exceptions_as_events():
+    bundle = "application/x.codebroker-bundle+json"
+    with Kernel() as k:
+        # Without it, a trailing expression is printed, as LibreChat's answer wants.
+        assert_ok(k.run("21 * 2"), "42\n")
+        assert k.displays == []
+        code, out, err = k.run("x = 21\nx * 2", rich=True)
+        assert (code, out, err) == (0, "", ""), (code, out, err)
+        (shown,) = k.displays
+        assert shown["mime"] == bundle
+        assert json.loads(shown["data"]) == {"main": True, "data": {"text/plain": "42"}}
+        k.displays.clear()
+        code, out, err = k.run(
+            "class R:\n"
+            "    def _repr_html_(self): return '<b>r</b>'\n"
+            "    def _repr_png_(self): return b'PNG'\n"
+            "    def _repr_latex_(self): raise ValueError('no')\n"
+            "    def __repr__(self): return 'R()'\n"
+            "print('before')\n"
+            "display(R())\n"
+            "R()",
+            rich=True,
+        )
+        assert (code, out, err) == (0, "before\n", ""), (code, out, err)
+        first, main = (json.loads(d["data"]) for d in k.displays)
+        assert first == {
+            "main": False,
+            "data": {"text/html": "<b>r</b>", "image/png": "UE5H", "text/plain": "R()"},
+        }
+        assert main["main"] is True
+        k.displays.clear()
+        code, out, err = k.run("1/0", rich=True)
+        assert (code, out, err) == (1, "", ""), (code, out, err)
+        (error,) = k.displays
+        assert error["mime"] == "application/x.codebroker-error+json"
+        payload = json.loads(error["data"])
+        assert payload["name"] == "ZeroDivisionError"
+        assert payload["value"] == "division by zero"
+        assert "Traceback" in payload["traceback"] and "kernel.py" not in payload["traceback"]
+        k.displays.clear()
+        # SystemExit keeps its meaning: an exit code, not an error event.
+        code, _, _ = k.run("raise SystemExit(3)", rich=True)
+        assert code == 3 and k.displays == []
+
+
 def test_main_namespace():
     with Kernel() as k:
         assert_ok(k.run("__name__"), "'__main__'\n")
