@@ -19,7 +19,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test lobe-test playground-test daemon-test leftovers registries test-runsc test-runner-files test-k8s
+.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test e2b-test lobe-test playground-test daemon-test leftovers registries test-runsc test-runner-files test-k8s
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -34,6 +34,7 @@ test: image registries
 	$(MAKE) --no-print-directory kernel-test
 	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
+	$(MAKE) --no-print-directory e2b-test
 	$(MAKE) --no-print-directory playground-test
 	$(MAKE) --no-print-directory daemon-test
 
@@ -123,6 +124,15 @@ kernel-test:
 # flows against the debug broker binary; ends with node's test summary.
 librechat-test:
 	$(CARGO) build -p codebroker && cd tests/librechat && npm ci --no-audit --no-fund && npm test
+
+# E2B's own SDKs against the debug broker binary: Python (e2b, e2b-code-interpreter, in a
+# venv made once) and JavaScript (@e2b/code-interpreter, e2b), pinned (tests/e2b).
+e2b-test:
+	$(CARGO) build -p codebroker
+	test -x tests/e2b/.venv/bin/pytest || { python3 -m venv tests/e2b/.venv \
+		&& tests/e2b/.venv/bin/pip install -q -r tests/e2b/requirements.txt; }
+	cd tests/e2b && .venv/bin/pytest -q -p no:cacheprovider
+	cd tests/e2b/js && npm ci --no-audit --no-fund && npm test
 
 # The LobeChat plugin checked by LobeChat's own code: the manifest against the SDK's
 # pluginManifestSchema, runCode through its plugin gateway, against the debug broker binary.
