@@ -119,6 +119,8 @@ pub async fn run(
     let mcp = mcp::router(&state);
     let e2b = e2b::router(&state);
     let app = http::router(state, mcp, e2b);
+    let e2b = &broker.config().e2b;
+    let app = e2b::with_host_routing(app, if e2b.e2b { &e2b.e2b_domain } else { "" });
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "listening");
     broker.guard_egress_port(addr.port());

@@ -241,14 +241,18 @@ fn detail_json(state: &AppState, sandbox: &E2bSandbox, detail: bool) -> Value {
     value
 }
 
+/// E2B's 404 for a sandbox the caller cannot see.
+fn no_such_sandbox(id: &str) -> Response {
+    e2b_error(
+        StatusCode::NOT_FOUND,
+        format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
+    )
+}
+
 /// The sandbox `id` of the caller's tenant, or E2B's 404.
-fn find(e2b: &E2b, caller: &Caller, id: &str) -> Result<Arc<E2bSandbox>, Response> {
-    e2b.sandbox(caller.tenant.as_deref(), id).ok_or_else(|| {
-        e2b_error(
-            StatusCode::NOT_FOUND,
-            format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
-        )
-    })
+fn find(e2b: &E2b, caller: &Caller, id: &str) -> Result<Arc<E2bSandbox>, Box<Response>> {
+    e2b.sandbox(caller.tenant.as_deref(), id)
+        .ok_or_else(|| Box::new(no_such_sandbox(id)))
 }
 
 async fn info(
@@ -259,7 +263,7 @@ async fn info(
 ) -> Response {
     match find(&e2b, &caller, &id) {
         Ok(sandbox) => Json(detail_json(&state, &sandbox, true)).into_response(),
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 
@@ -273,7 +277,7 @@ async fn kill(
             e2b.kill(&sandbox).await;
             StatusCode::NO_CONTENT.into_response()
         }
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 
@@ -303,7 +307,7 @@ async fn set_timeout(
                 .store(now_ms() + secs * 1000, Ordering::SeqCst);
             StatusCode::NO_CONTENT.into_response()
         }
-        Err(response) => response,
+        Err(response) => *response,
     })
 }
 
@@ -318,7 +322,7 @@ async fn connect(
     let secs = lifetime_secs(&state, request.timeout)?;
     let sandbox = match find(&e2b, &caller, &id) {
         Ok(sandbox) => sandbox,
-        Err(response) => return Ok(response),
+        Err(response) => return Ok(*response),
     };
     let resumed = sandbox.paused.swap(false, Ordering::SeqCst);
     // The lifetime is only extended (E2B: "TTL is only extended").
@@ -342,7 +346,7 @@ async fn pause(
 ) -> Response {
     let sandbox = match find(&e2b, &caller, &id) {
         Ok(sandbox) => sandbox,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     if e2b.pause(&sandbox).await {
         StatusCode::NO_CONTENT.into_response()
@@ -362,7 +366,7 @@ async fn metrics(
 ) -> Response {
     match find(&e2b, &caller, &id) {
         Ok(_) => Json(json!([])).into_response(),
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 

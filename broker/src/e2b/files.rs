@@ -61,20 +61,20 @@ pub(super) fn query_param(query: Option<&str>, name: &str) -> Option<String> {
 }
 
 /// The workspace-relative file `path` names, or the answer refusing it.
-fn file_path(path: Option<String>) -> Result<String, Response> {
+fn file_path(path: Option<String>) -> Result<String, Box<Response>> {
     let Some(path) = path.filter(|p| !p.is_empty()) else {
-        return Err(rest_error(
+        return Err(Box::new(rest_error(
             StatusCode::BAD_REQUEST,
             "path is required".to_string(),
-        ));
+        )));
     };
     match workspace_relative(&path) {
-        Ok(relative) if relative.is_empty() => Err(rest_error(
+        Ok(relative) if relative.is_empty() => Err(Box::new(rest_error(
             StatusCode::BAD_REQUEST,
             format!("path '{path}' is a directory"),
-        )),
+        ))),
         Ok(relative) => Ok(relative),
-        Err(why) => Err(rest_error(StatusCode::FORBIDDEN, why)),
+        Err(why) => Err(Box::new(rest_error(StatusCode::FORBIDDEN, why))),
     }
 }
 
@@ -82,7 +82,7 @@ fn file_path(path: Option<String>) -> Result<String, Response> {
 pub(super) async fn read(request: DataRequest) -> Response {
     let relative = match file_path(query_param(request.query.as_deref(), "path")) {
         Ok(r) => r,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     let broker = &request.state.broker;
     let cap = broker.config().caps.max_upload_mb * 1024 * 1024;
@@ -154,7 +154,7 @@ pub(super) async fn write(request: DataRequest, body: Body) -> Response {
     } else {
         let relative = match file_path(path) {
             Ok(r) => r,
-            Err(response) => return response,
+            Err(response) => return *response,
         };
         match stage_body(&broker, &relative, body).await {
             Ok(file) => (vec![file], None),

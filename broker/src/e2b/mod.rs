@@ -10,9 +10,12 @@
 mod control;
 mod data;
 mod files;
+mod host;
 mod interpreter;
 mod paths;
 mod process;
+
+pub(crate) use host::with_host_routing;
 
 use crate::clock::now_ms;
 use crate::core::Broker;

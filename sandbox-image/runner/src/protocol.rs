@@ -586,6 +586,7 @@ mod tests {
                 tools: vec![],
                 max_display_events: DEFAULT_MAX_DISPLAY_EVENTS,
                 max_display_bytes: DEFAULT_MAX_DISPLAY_BYTES,
+                rich: false,
             }),
         );
         let line = serde_json::to_string(&req).unwrap();

@@ -165,6 +165,7 @@ fn req(lang: Language, code: &str) -> ExecRequest {
         tools: vec![],
         max_display_events: sandbox_runner::DEFAULT_MAX_DISPLAY_EVENTS,
         max_display_bytes: sandbox_runner::DEFAULT_MAX_DISPLAY_BYTES,
+        rich: false,
     }
 }
 

@@ -154,6 +154,7 @@ mod tests {
             tools: Vec::new(),
             max_display_events,
             max_display_bytes: 1 << 20,
+            rich: false,
         };
         let known = tools.iter().map(|t| t.to_string()).collect();
         let router = EventRouter::new(
