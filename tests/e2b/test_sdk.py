@@ -132,3 +132,34 @@ def test_code_runs_in_one_kernel_with_logs_results_and_errors(broker):
         assert after.logs.stdout == ["None\n"]
         bash = sbx.run_code("echo from bash", language="bash")
         assert bash.logs.stdout == ["from bash\n"]
+
+
+def test_pause_connect_background_commands_and_refusals(broker):
+    from e2b.exceptions import AuthenticationException
+
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-a-key")
+    sbx = CodeSandbox.create()
+    try:
+        sbx.run_code("kept = [1, 2, 3]")
+        # A background command runs while the client goes on, and is killed by pid.
+        handle = sbx.commands.run("echo started; sleep 60", background=True)
+        listed = [p.pid for p in sbx.commands.list()]
+        assert handle.pid in listed
+        assert sbx.commands.kill(handle.pid) is True
+        with pytest.raises(Exception):
+            handle.wait()
+        assert sbx.commands.kill(handle.pid) is False
+        # No network inside the sandbox.
+        net = sbx.run_code(
+            "import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('1.1.1.1', 80))"
+        )
+        assert net.error is not None and net.error.name in ("OSError", "TimeoutError", "ConnectionRefusedError")
+        assert sbx.pause() is True
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.state.value == "paused"
+        # Connecting resumes it, with its Python state.
+        again = CodeSandbox.connect(sbx.sandbox_id)
+        assert again.run_code("sum(kept)").text == "6"
+    finally:
+        sbx.kill()
