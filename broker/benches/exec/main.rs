@@ -12,11 +12,12 @@
 //! 100 MiB written by an exec and brought down, through each file path (host and runner);
 //! 200 idle sessions held (broker RSS, memory per container); a C program compiled, then
 //! rerun from the compile cache; the first `import pandas`; a tool-call round trip; a
-//! LibreChat-like churn of many users (containers alive and memory over time).
+//! LibreChat-like churn of many users (containers alive and memory over time); E2B's
+//! create to first `run_code`, and a warm `run_code` beside a warm `/exec`.
 //!
 //! `BENCH_QUICK=1` runs every row with small counts (a smoke run of a minute or two);
 //! `BENCH_N` multiplies the counts of the full run. `BENCH_ROWS=warm,new` runs only the
-//! named groups (`warm`, `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`), e.g. to compare
+//! named groups (`warm`, `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`, `e2b`), e.g. to compare
 //! runtimes (`CODEBROKER_RUNTIME=runsc`, read by the broker and the `docker run` baseline).
 
 #[path = "../../../tests/common/mod.rs"]
@@ -335,6 +336,11 @@ async fn main() {
         let group = GroupCost::start();
         rows::idle::rows(scale, tmp.path(), &mut rows).await;
         notes.push(group.finish("idle"));
+    }
+    if wanted("e2b") {
+        let group = GroupCost::start();
+        rows::e2b::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("e2b"));
     }
     if wanted("churn") {
         let group = GroupCost::start();
