@@ -176,6 +176,7 @@ async fn create(
         metadata: request.metadata.unwrap_or_default(),
         env_vars,
         started_ms: now,
+        created: super::next_created(),
         end_ms: AtomicU64::new(now + secs * 1000),
         paused: AtomicBool::new(false),
         auto_pause: request.auto_pause.unwrap_or(false),
@@ -414,7 +415,7 @@ async fn list(
         .filter(|s| filter.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
         .filter(|s| query.get("template").is_none_or(|t| *t == s.template))
         .collect();
-    found.sort_by(|a, b| (a.started_ms, &a.id).cmp(&(b.started_ms, &b.id)));
+    found.sort_by_key(|s| s.created);
     if !ascending {
         found.reverse();
     }

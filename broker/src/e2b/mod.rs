@@ -93,6 +93,8 @@ pub(crate) struct E2bSandbox {
     env_vars: BTreeMap<String, String>,
     /// When it was made (ms since the epoch).
     started_ms: u64,
+    /// Its place in the order of creation (`list` sorts by it: several are made in one ms).
+    created: u64,
     /// When it ends (ms since the epoch): set by create, connect and set-timeout.
     end_ms: AtomicU64,
     /// Paused (true) or running.
@@ -117,6 +119,12 @@ impl E2bSandbox {
             SandboxState::Running
         }
     }
+}
+
+/// The next sandbox's place in the order of creation.
+fn next_created() -> u64 {
+    static CREATED: AtomicU64 = AtomicU64::new(0);
+    CREATED.fetch_add(1, Ordering::SeqCst)
 }
 
 /// A new E2B sandbox id: 20 characters of `[a-z0-9]` (103 bits).
