@@ -63,11 +63,13 @@ test-runsc: image
 # directory: the path of a backend whose sandboxes the broker cannot see the disk of. The
 # egress suite with its connections tunnelled over the runner channel, as on Kubernetes.
 RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programmatic \
-	--test lifecycle --test file_transfer --test shared_files --test python_state
+	--test lifecycle --test file_transfer --test shared_files --test python_state \
+	--test e2b_protocol
 test-runner-files: image registries
 	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
 	CODEBROKER_EGRESS_TRANSPORT=runner $(CARGO) test -p codebroker --test egress -- --test-threads=2
 	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory librechat-test
+	CODEBROKER_FILE_TRANSFER=runner $(MAKE) --no-print-directory e2b-test
 
 # The Kubernetes backend's whole path (pod create, list and watch, attach, delete, the
 # image read through a pod's log for /libraries) under the suites, against the stand-in API server of
@@ -80,7 +82,7 @@ test-runner-files: image registries
 # pod's weight is its CPU request, fixed when it is created).
 K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads --test egress \
 	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files \
-	--test kubernetes
+	--test kubernetes --test e2b_protocol
 K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
 	--skip an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart \
 	--skip a_pooled_kernel_has_the_data_stack_loaded_and_leaves_nothing_else \
@@ -100,7 +102,8 @@ test-k8s: image registries
 	if [ -n "$$CARGO_TARGET_DIR" ] && [ -z "$$CODEBROKER_BIN" ]; then \
 		export CODEBROKER_BIN="$$CARGO_TARGET_DIR/debug/codebroker"; fi; \
 	$(CARGO) test -p codebroker $(K8S_SUITES) -- --test-threads=4 $(K8S_SKIP); \
-	$(MAKE) --no-print-directory librechat-test
+	$(MAKE) --no-print-directory librechat-test; \
+	$(MAKE) --no-print-directory e2b-test
 
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:
