@@ -34,6 +34,11 @@ pub(super) fn router(state: &AppState) -> Router<AppState> {
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/fork", post(not_supported))
+        .route("/sandboxes/{id}/snapshots", post(not_supported))
+        .route("/sandboxes/{id}/network", axum::routing::put(not_supported))
+        .route("/sandboxes/{id}/logs", get(not_supported))
+        .route("/v2/sandboxes/{id}/logs", get(not_supported))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_auth,
@@ -369,6 +374,14 @@ async fn metrics(
         Ok(_) => Json(json!([])).into_response(),
         Err(response) => *response,
     }
+}
+
+/// What E2B offers and codebroker does not (docs/E2B.md, "What is not compatible").
+async fn not_supported(uri: axum::http::Uri) -> Response {
+    e2b_error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!("{} is not supported by codebroker", uri.path()),
+    )
 }
 
 /// The most one page of `list` holds.
