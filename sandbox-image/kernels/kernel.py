@@ -22,7 +22,8 @@ instead of printing them: a trailing expression's value, `display(obj)`, and fig
 open at the end of the cell each send one `display` event of MIME type
 `application/x.codebroker-bundle+json` whose `data` is {"main": bool, "data": {mime: value}}
 (binary values base64); an uncaught exception is sent as `application/x.codebroker-error+json`
-({"name", "value", "traceback"}) instead of its traceback on stderr. See "Rich results".
+({"name", "value", "traceback"}) instead of its traceback on stderr. The bundles are made by
+kernel_rich.py, loaded on the first such request.
 
 A request with `tools` (a list of {"name", "description", "parameters"}) and `tool_socket` (the
 exec's tool socket) gets one `async def` per tool in the cell's globals, with a signature made
@@ -581,63 +582,6 @@ def _new_plot_file():
 
 
 DISPLAY = [None]  # the kernel's display(mime, name) once it runs, for plt.show()
-BUNDLE_MIME = "application/x.codebroker-bundle+json"
-ERROR_MIME = "application/x.codebroker-error+json"
-
-# The `_repr_*_` methods a bundle is made of, by MIME type (IPython's display formatter).
-REPR_METHODS = (
-    ("text/html", "_repr_html_"),
-    ("text/markdown", "_repr_markdown_"),
-    ("image/svg+xml", "_repr_svg_"),
-    ("image/png", "_repr_png_"),
-    ("image/jpeg", "_repr_jpeg_"),
-    ("text/latex", "_repr_latex_"),
-    ("application/json", "_repr_json_"),
-    ("application/javascript", "_repr_javascript_"),
-    ("application/pdf", "_repr_pdf_"),
-)
-
-
-def _is_figure(value):
-    figure = sys.modules.get("matplotlib.figure")
-    return figure is not None and isinstance(value, getattr(figure, "Figure", ()))
-
-
-def mime_bundle(value):
-    """{mime: value} for `value`: its `_repr_*_` results (binary ones base64, JSON as
-    an object) and its repr as text/plain. A method that fails is left out."""
-    import base64
-
-    bundle = {}
-    for mime, name in REPR_METHODS:
-        method = getattr(type(value), name, None)
-        if method is None:
-            continue
-        try:
-            shown = method(value)
-        except Exception:
-            continue
-        if isinstance(shown, tuple):  # (data, metadata)
-            shown = shown[0] if shown else None
-        if shown is None:
-            continue
-        if isinstance(shown, (bytes, bytearray)):
-            shown = base64.b64encode(bytes(shown)).decode("ascii")
-        elif mime != "application/json" and not isinstance(shown, str):
-            shown = str(shown)
-        bundle[mime] = shown
-    if _is_figure(value):
-        buf = io.BytesIO()
-        try:
-            value.savefig(buf, format="png")
-            bundle["image/png"] = base64.b64encode(buf.getvalue()).decode("ascii")
-        except Exception:
-            pass
-    try:
-        bundle["text/plain"] = repr(value)
-    except Exception:
-        bundle["text/plain"] = "<%s object>" % type(value).__name__
-    return bundle
 
 
 class LazyArtistSet:
@@ -876,12 +820,13 @@ def _reap_on_sigchld(signum, frame):
 # Parts: what a kernel start does not need is loaded on first use
 # --------------------------------------------------------------------------------------------
 #
-# Tool calls (kernel_tools.py) and state saving (kernel_state.py) sit beside this file and are
+# Tool calls (kernel_tools.py), state saving (kernel_state.py) and rich results
+# (kernel_rich.py) sit beside this file and are
 # loaded the first time a request needs them, as modules that are not in sys.modules (user
 # code cannot import them, as it cannot import this file). Their frames are the kernel's:
 # tracebacks leave them out like this file's own.
 
-PART_NAMES = ("tools", "state")
+PART_NAMES = ("tools", "state", "rich")
 PART_FILES = {
     name: os.path.join(os.path.dirname(KERNEL_FILE), "kernel_%s.py" % name) for name in PART_NAMES
 }
@@ -1213,7 +1158,7 @@ class Kernel:
         self.idle = False  # between cells: SIGCHLD is the kernel's (reap_while_idle)
         self.cell_sigchld = None  # the SIGCHLD disposition a cell set, given back to the next
         self.request_id = None  # the request being run, for display events
-        self.rich = False  # the request wants MIME bundles (see "Rich results")
+        self.rich = False  # the request wants MIME bundles (kernel_rich.py)
         self.tool_globals = {}  # name -> object the kernel put in the globals for tools
         self.preload = None  # the Preload a `preload` request started
         self.requests_seen = False  # a request other than `preload` came: no preload now
@@ -1254,15 +1199,10 @@ class Kernel:
         except OSError:
             pass
 
-    # -- Rich results ----------------------------------------------------------------------
-    #
-    # For front ends that show values as notebooks do (E2B's interpreter, the Jupyter
-    # protocol): a value becomes a MIME bundle built from its `_repr_*_` methods, as
-    # IPython's display formatter does, with `text/plain` always (its repr). Figures
-    # become `image/png` (saved as plot-<n>.png too, so the file is there as in
-    # LibreChat's answer). The LibreChat path never asks for it, and prints.
+    # -- Rich results (kernel_rich.py) ------------------------------------------------------
 
     def send_rich(self, mime, payload):
+        """A display event carrying `payload` as JSON (a bundle or an error)."""
         flush_output()  # what was printed before the value comes before it
         try:
             import json
@@ -1271,51 +1211,6 @@ class Kernel:
                 {"event": "display", "id": self.request_id, "mime": mime, "data": json.dumps(payload)}
             )
         except (OSError, TypeError, ValueError):
-            pass
-
-    def send_bundle(self, value, main=False):
-        bundle = mime_bundle(value)
-        if bundle:
-            self.send_rich(BUNDLE_MIME, {"main": main, "data": bundle})
-
-    def display_value(self, *values, **_options):
-        """`display(obj, ...)`: each value as a bundle (IPython's display(), as notebooks
-        and E2B's interpreter offer it)."""
-        for value in values:
-            if _is_figure(value):
-                self.send_figure(value)
-            else:
-                self.send_bundle(value)
-
-    def send_figure(self, figure):
-        import base64
-
-        buf = io.BytesIO()
-        figure.savefig(buf, format="png")
-        self.send_rich(
-            BUNDLE_MIME,
-            {
-                "main": False,
-                "data": {
-                    "image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
-                    "text/plain": repr(figure),
-                },
-            },
-        )
-
-    def show_open_figures(self):
-        """Figures the cell left open are shown, as a notebook's inline backend does."""
-        plt = sys.modules.get("matplotlib.pyplot")
-        if plt is None:
-            return
-        try:
-            for num in plt.get_fignums():
-                fig = plt.figure(num)
-                try:
-                    self.send_figure(fig)
-                finally:
-                    plt.close(fig)
-        except Exception:
             pass
 
     def install_tools(self, tools, socket_path):
@@ -1436,7 +1331,8 @@ class Kernel:
         if self.rich:
             builtins = self.ns.get("__builtins__")
             target = builtins if isinstance(builtins, dict) else getattr(builtins, "__dict__", {})
-            target.setdefault("display", self.display_value)
+            if "display" not in target:
+                target["display"] = part("rich").display_function(self.send_rich)
         try:
             self.install_tools(tools, tool_socket)
             body, expr = self.compile(code)
@@ -1445,10 +1341,10 @@ class Kernel:
             if expr is not None:
                 value = self.evaluate(expr)
             if self.rich:
-                self.show_open_figures()
+                part("rich").show_open_figures(self.send_rich)
             if value is not None and not code.rstrip().endswith(";"):
                 if self.rich:
-                    self.send_bundle(value, main=True)
+                    part("rich").show(value, True, self.send_rich)
                 else:
                     print(repr(value))
             return 0, None
@@ -1516,7 +1412,7 @@ class Kernel:
                 except BaseException:
                     value = ""
                 error = {"name": type(exc).__name__, "value": value, "traceback": text}
-                self.send_rich(ERROR_MIME, error)
+                self.send_rich(part("rich").ERROR_MIME, error)
                 return
             except BaseException:
                 pass

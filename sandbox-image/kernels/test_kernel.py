@@ -1018,7 +1018,9 @@ def test_parts_load_on_first_use_and_stay_out_of_sight():
             assert_ok(k.run(listed), "[]\n")
             assert_ok(k.run("print(await add(a=1, b=2))", tools=[ADD], tool_socket=server.path), "3\n")
             assert_ok(k.run(listed), "[]\n")
-            for name in ("kernel_tools", "kernel_state"):
+            assert k.run("1", rich=True)[0] == 0
+            assert_ok(k.run(listed), "[]\n")
+            for name in ("kernel_tools", "kernel_state", "kernel_rich"):
                 code, out, err = k.run("import %s" % name)
                 assert code == 1 and "ModuleNotFoundError" in err, err
     finally:
