@@ -163,3 +163,39 @@ def test_pause_connect_background_commands_and_refusals(broker):
         assert again.run_code("sum(kept)").text == "6"
     finally:
         sbx.kill()
+
+
+def test_the_async_clients_run_code_and_files(broker):
+    import asyncio
+
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def scenario():
+        sbx = await AsyncSandbox.create()
+        try:
+            await sbx.files.write("/home/user/in.txt", "3")
+            execution = await sbx.run_code("int(open('in.txt').read()) * 14")
+            assert execution.text == "42"
+            result = await sbx.commands.run("cat in.txt")
+            assert result.stdout == "3"
+            assert [e.name for e in await sbx.files.list("/home/user") if e.name == "in.txt"] == ["in.txt"]
+        finally:
+            await sbx.kill()
+
+    asyncio.run(scenario())
+
+
+def test_a_command_reads_what_send_stdin_writes_until_close_stdin(broker):
+    with Sandbox.create() as sbx:
+        handle = sbx.commands.run("read name; echo \"hello $name\"; wc -c", background=True, stdin=True)
+        sbx.commands.send_stdin(handle.pid, "codebroker\n")
+        sbx.commands.send_stdin(handle.pid, "more bytes")
+        sbx.commands.close_stdin(handle.pid)
+        result = handle.wait()
+        assert result.stdout == "hello codebroker\n10\n"
+        # A command started without stdin says so.
+        other = sbx.commands.run("sleep 30", background=True)
+        with pytest.raises(Exception) as err:
+            sbx.commands.send_stdin(other.pid, "x")
+        assert "without stdin" in str(err.value)
+        other.kill()

@@ -140,6 +140,7 @@ impl Broker {
                 results: results_rx,
             }),
             cancel: Some(cancel.clone()),
+            stdin: None,
         };
         let task = self.start_exec(choice, input, hooks).await?;
         let session_id = task.session.id().to_string();

@@ -7,7 +7,7 @@ use super::data::DataRequest;
 use super::paths::{e2b_path, workspace_relative, HOME};
 use super::process::{is_env_name, run_code, shell_quote, ScriptRun};
 use crate::clock::now_ms;
-use crate::core::{Display, ExecEvent, OutputStream, Verdict};
+use crate::core::{Display, ExecEvent, ExecHooks, OutputStream, Verdict};
 use axum::body::{Body, Bytes};
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -273,22 +273,20 @@ async fn run_execution(
             Language::Py,
             python_set_env(&env),
             None,
-            None,
-            None,
+            ExecHooks::default(),
         )
         .await;
     }
     let cancel = CancellationToken::new();
     let (events, mut received) = mpsc::channel::<ExecEvent>(64);
     let mut error_sent = false;
-    let run = run_code(
-        &request,
-        lang,
-        code,
-        Some(cap),
-        Some(events),
-        Some(cancel.clone()),
-    );
+    let hooks = ExecHooks {
+        events: Some(events),
+        tools: None,
+        cancel: Some(cancel.clone()),
+        stdin: None,
+    };
+    let run = run_code(&request, lang, code, Some(cap), hooks);
     tokio::pin!(run);
     let outcome = loop {
         let next = tokio::select! {
@@ -326,8 +324,7 @@ async fn run_execution(
                 Language::Py,
                 python_unset_env(&only_call),
                 None,
-                None,
-                None,
+                ExecHooks::default(),
             )
             .await;
         }

@@ -12,7 +12,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
-use sandbox_runner::{Language, Limit};
+use sandbox_runner::{Language, Limit, StdinChunk};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -44,6 +44,8 @@ struct Command {
     tag: Option<String>,
     /// Stops it.
     cancel: CancellationToken,
+    /// Its stdin, when it was started with one.
+    stdin: Option<mpsc::Sender<StdinChunk>>,
 }
 
 impl Commands {
@@ -237,6 +239,8 @@ pub(super) async fn rpc(request: DataRequest, body: Body, method: &str) -> Respo
         "Start" => start(request, body).await,
         "List" => list(&request.sandbox),
         "SendSignal" => send_signal(request, body).await,
+        "SendInput" => send_input(request, body, false).await,
+        "CloseStdin" => send_input(request, body, true).await,
         "Connect" | "StreamInput" => stream_error(&RpcError::new(
             "unimplemented",
             format!("process.Process/{method} is not supported by codebroker"),
@@ -255,6 +259,8 @@ struct StartRequest {
     process: ProcessConfig,
     pty: Option<Value>,
     tag: Option<String>,
+    /// Keep the command's stdin open for `SendInput` (E2B's `stdin: true`).
+    stdin: Option<bool>,
 }
 
 /// `ProcessConfig`.
@@ -350,7 +356,13 @@ pub(super) async fn run_script(
     events: Option<mpsc::Sender<ExecEvent>>,
     cancel: Option<CancellationToken>,
 ) -> Result<ScriptRun, RpcError> {
-    run_code(request, Language::Bash, script, timeout_ms, events, cancel).await
+    let hooks = ExecHooks {
+        events,
+        tools: None,
+        cancel,
+        stdin: None,
+    };
+    run_code(request, Language::Bash, script, timeout_ms, hooks).await
 }
 
 /// Runs `code` in `lang` in the sandbox's session (see [`run_script`]).
@@ -359,8 +371,7 @@ pub(super) async fn run_code(
     lang: Language,
     code: String,
     timeout_ms: Option<u64>,
-    events: Option<mpsc::Sender<ExecEvent>>,
-    cancel: Option<CancellationToken>,
+    hooks: ExecHooks,
 ) -> Result<ScriptRun, RpcError> {
     let sandbox = &request.sandbox;
     let choice = SessionChoice {
@@ -377,11 +388,6 @@ pub(super) async fn run_code(
         tenant: sandbox.tenant.clone(),
         // Python values as MIME bundles, exceptions as events: E2B's results.
         rich: lang == Language::Py,
-    };
-    let hooks = ExecHooks {
-        events,
-        tools: None,
-        cancel,
     };
     let run = request
         .state
@@ -422,6 +428,13 @@ async fn start(request: DataRequest, body: Body) -> Response {
         .max_exec_timeout_ms;
     let limited = timeout_ms.is_some_and(|ms| ms <= cap);
     let cancel = CancellationToken::new();
+    let (stdin_tx, stdin_rx) = match start.stdin {
+        Some(true) => {
+            let (tx, rx) = mpsc::channel::<StdinChunk>(64);
+            (Some(tx), Some(rx))
+        }
+        _ => (None, None),
+    };
     let pid = {
         let mut commands = request.sandbox.commands.locked();
         let pid = commands.next_pid();
@@ -436,6 +449,7 @@ async fn start(request: DataRequest, body: Body) -> Response {
                 }),
                 tag: start.tag.clone(),
                 cancel: cancel.clone(),
+                stdin: stdin_tx,
             },
         );
         pid
@@ -447,7 +461,13 @@ async fn start(request: DataRequest, body: Body) -> Response {
         let _ = frames
             .send(frame(0, &json!({"event": {"start": {"pid": pid}}})))
             .await;
-        let run = run_script(&request, script, timeout_ms, Some(events), Some(cancel));
+        let hooks = ExecHooks {
+            events: Some(events),
+            tools: None,
+            cancel: Some(cancel),
+            stdin: stdin_rx,
+        };
+        let run = run_code(&request, Language::Bash, script, timeout_ms, hooks);
         tokio::pin!(run);
         let outcome = loop {
             tokio::select! {
@@ -589,6 +609,75 @@ async fn send_signal(request: DataRequest, body: Body) -> Response {
         }
         None => RpcError::new("not_found", "process not found").unary(),
     }
+}
+
+/// `SendInputRequest` and `CloseStdinRequest`.
+#[derive(Deserialize)]
+struct InputRequest {
+    process: Selector,
+    input: Option<ProcessInput>,
+}
+
+/// `ProcessInput`: bytes for stdin (a PTY's are not served).
+#[derive(Deserialize)]
+struct ProcessInput {
+    stdin: Option<String>,
+    pty: Option<String>,
+}
+
+/// `process.Process/SendInput` (`close`: `CloseStdin`): bytes for, or the end of, the
+/// stdin of a command started with `stdin: true`.
+async fn send_input(request: DataRequest, body: Body, close: bool) -> Response {
+    let asked: InputRequest = match read_message(&request.headers, body).await {
+        Ok(a) => a,
+        Err(e) => return e.unary(),
+    };
+    let data = match asked.input {
+        _ if close => Vec::new(),
+        Some(ProcessInput {
+            stdin: Some(text), ..
+        }) => match decode_base64(&text) {
+            Some(bytes) => bytes,
+            None => return RpcError::new("invalid_argument", "stdin is not base64").unary(),
+        },
+        Some(ProcessInput { pty: Some(_), .. }) => {
+            return RpcError::new(
+                "unimplemented",
+                "codebroker runs commands without a terminal (no pty)",
+            )
+            .unary()
+        }
+        _ => Vec::new(),
+    };
+    let sender = {
+        let commands = request.sandbox.commands.locked();
+        let found = commands.running.iter().find(|(pid, c)| {
+            Some(**pid) == asked.process.pid
+                || (asked.process.tag.is_some() && c.tag == asked.process.tag)
+        });
+        match found {
+            None => return RpcError::new("not_found", "process not found").unary(),
+            Some((_, command)) => command.stdin.clone(),
+        }
+    };
+    let Some(sender) = sender else {
+        return RpcError::new(
+            "failed_precondition",
+            "the command was started without stdin (start it with stdin: true)",
+        )
+        .unary();
+    };
+    // A command that ended meanwhile drops what was sent, as envd does.
+    let _ = sender.send(StdinChunk { data, close }).await;
+    unary_ok(json!({}))
+}
+
+/// Standard or URL-safe base64, padded or not (proto3 JSON's `bytes`).
+fn decode_base64(text: &str) -> Option<Vec<u8>> {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
+        .iter()
+        .find_map(|engine| engine.decode(text.trim()).ok())
 }
 
 #[cfg(test)]

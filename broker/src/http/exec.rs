@@ -255,6 +255,7 @@ async fn exec_stream(
         events: Some(tx),
         tools: None,
         cancel: Some(cancel.clone()),
+        stdin: None,
     };
     let run = state
         .broker

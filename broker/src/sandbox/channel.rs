@@ -296,6 +296,15 @@ impl RunnerChannel {
         self.send(job, CoordinatorMessage::ToolResult(result)).await
     }
 
+    /// Sends a piece of the stdin of `job`'s program.
+    pub(crate) async fn stdin(
+        &self,
+        job: JobId,
+        chunk: sandbox_runner::StdinChunk,
+    ) -> Result<(), ChannelError> {
+        self.send(job, CoordinatorMessage::Stdin(chunk)).await
+    }
+
     async fn send(&self, job: JobId, msg: CoordinatorMessage) -> Result<(), ChannelError> {
         self.sender().send(job, msg).await
     }

@@ -214,6 +214,15 @@ impl Sandbox {
         self.channel.request(request).await
     }
 
+    /// Sends a piece of the stdin of `job`'s program.
+    pub(crate) async fn stdin(
+        &self,
+        job: JobId,
+        chunk: sandbox_runner::StdinChunk,
+    ) -> Result<(), ChannelError> {
+        self.channel.stdin(job, chunk).await
+    }
+
     /// Answers a tool call of the exec of `job`.
     pub(crate) async fn tool_result(
         &self,

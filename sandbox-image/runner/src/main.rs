@@ -345,6 +345,8 @@ fn handle(
         CoordinatorMessage::Cancel => control.cancel(job),
         // Results for a job that is not running any more (it timed out, say) are dropped.
         CoordinatorMessage::ToolResult(result) => control.tool_result(job, result),
+        // Stdin for a program that ended is dropped too.
+        CoordinatorMessage::Stdin(chunk) => control.stdin(job, chunk),
         // Counted when read; nothing to answer.
         CoordinatorMessage::Heartbeat => {}
         // File moves are short and come between execs (the broker holds the session's

@@ -78,6 +78,8 @@ pub enum CoordinatorMessage {
     Cancel,
     /// The answer to a [`WorkerMessage::ToolCall`] of this job's exec.
     ToolResult(ToolResult),
+    /// Bytes for the stdin of this job's program, or its end (an exec with `stdin`).
+    Stdin(StdinChunk),
     /// A broker is attached (sent under job 0, periodically); nothing answers it. See
     /// [`UNATTENDED_EXIT_ENV`].
     Heartbeat,
@@ -285,6 +287,21 @@ pub struct ExecRequest {
     /// as notebooks do; without it values are printed (sandbox-image/README.md).
     #[serde(default)]
     pub rich: bool,
+    /// Give the program a pipe on its stdin that [`CoordinatorMessage::Stdin`] writes to
+    /// (E2B's commands); without it stdin is `/dev/null`. The Python kernel takes none.
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+/// A piece of a running program's stdin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinChunk {
+    /// The bytes.
+    #[serde(with = "crate::files::base64", default)]
+    pub data: Vec<u8>,
+    /// Close the program's stdin once the bytes so far are written.
+    #[serde(default)]
+    pub close: bool,
 }
 
 /// Display events per exec when the request names no budget (an older broker).
@@ -587,6 +604,7 @@ mod tests {
                 max_display_events: DEFAULT_MAX_DISPLAY_EVENTS,
                 max_display_bytes: DEFAULT_MAX_DISPLAY_BYTES,
                 rich: false,
+                stdin: false,
             }),
         );
         let line = serde_json::to_string(&req).unwrap();

@@ -134,6 +134,15 @@ pub fn pollin(fd: &OwnedFd) -> libc::pollfd {
     }
 }
 
+/// A pollfd asking for room to write (and, implicitly, hang-up and errors).
+pub fn pollout(fd: &OwnedFd) -> libc::pollfd {
+    libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    }
+}
+
 /// Whether a polled descriptor has something to act on: data, end of file or an error.
 pub fn ready(p: &libc::pollfd) -> bool {
     p.revents != 0

@@ -6,8 +6,8 @@
 
 use sandbox_runner::{
     CoordinatorMessage, DisplayData, ExecRequest, ExecResponse, HelloRequest, JobId, Language,
-    Limit, Multiplexed, OutputChunk, RuntimeStatus, Stream, ToolCall, ToolResult, ToolSpec,
-    WorkerMessage,
+    Limit, Multiplexed, OutputChunk, RuntimeStatus, StdinChunk, Stream, ToolCall, ToolResult,
+    ToolSpec, WorkerMessage,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -166,6 +166,7 @@ fn req(lang: Language, code: &str) -> ExecRequest {
         max_display_events: sandbox_runner::DEFAULT_MAX_DISPLAY_EVENTS,
         max_display_bytes: sandbox_runner::DEFAULT_MAX_DISPLAY_BYTES,
         rich: false,
+        stdin: false,
     }
 }
 
@@ -504,6 +505,54 @@ fn many_background_processes_are_killed_on_timeout() {
             );
         }
     }
+}
+
+#[test]
+fn stdin_reaches_a_program_that_asked_for_it_until_it_is_closed() {
+    let mut r = Runner::start();
+    // Without `stdin`, a program reads /dev/null.
+    let resp = r.exec(1, req(Language::Bash, "cat; echo end"));
+    assert_eq!(resp.stdout, "end\n");
+    let chunk = |data: &[u8], close| StdinChunk {
+        data: data.to_vec(),
+        close,
+    };
+    // Stdin that comes before its exec (the broker's frames of one job may be written in
+    // either order) is kept for it.
+    r.send(2, CoordinatorMessage::Stdin(chunk(b"one\n", false)));
+    let mut with_stdin = req(
+        Language::Bash,
+        "read first; echo \"got $first\"; wc -c; echo end",
+    );
+    with_stdin.stdin = true;
+    r.send(2, CoordinatorMessage::Exec(with_stdin));
+    std::thread::sleep(Duration::from_millis(100));
+    // Stdin for a job that is not running is dropped.
+    r.send(9, CoordinatorMessage::Stdin(chunk(b"lost\n", false)));
+    // More than a pipe holds at once (64 KiB), written as the program reads.
+    let big = vec![b'x'; 200 * 1024];
+    r.send(2, CoordinatorMessage::Stdin(chunk(&big, false)));
+    r.send(2, CoordinatorMessage::Stdin(chunk(b"\n", true)));
+    let (_, resp) = r.finish(2);
+    assert_eq!(resp.exit_code, Some(0), "{resp:?}");
+    assert_eq!(resp.stdout, format!("got one\n{}\nend\n", 200 * 1024 + 1));
+    // A program that stops reading does not hold the runner: its stdin is dropped.
+    let mut early = req(Language::Bash, "head -c 3; echo; echo done");
+    early.stdin = true;
+    r.send(3, CoordinatorMessage::Exec(early));
+    r.send(
+        3,
+        CoordinatorMessage::Stdin(chunk(&vec![b'y'; 300 * 1024], false)),
+    );
+    let (_, resp) = r.finish(3);
+    assert_eq!(resp.stdout, "yyy\ndone\n");
+    // What came for another job while no exec ran is not handed to the next one.
+    r.send(9, CoordinatorMessage::Stdin(chunk(b"stale\n", false)));
+    let mut next = req(Language::Bash, "cat; echo next");
+    next.stdin = true;
+    r.send(4, CoordinatorMessage::Exec(next));
+    r.send(4, CoordinatorMessage::Stdin(chunk(b"", true)));
+    assert_eq!(r.finish(4).1.stdout, "next\n");
 }
 
 #[test]

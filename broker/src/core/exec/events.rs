@@ -155,6 +155,7 @@ mod tests {
             max_display_events,
             max_display_bytes: 1 << 20,
             rich: false,
+            stdin: false,
         };
         let known = tools.iter().map(|t| t.to_string()).collect();
         let router = EventRouter::new(

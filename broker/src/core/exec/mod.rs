@@ -73,6 +73,9 @@ pub(crate) struct ExecHooks {
     pub(crate) tools: Option<ToolBridge>,
     /// Stops the exec when cancelled (a client gone, the cancel route).
     pub(crate) cancel: Option<CancellationToken>,
+    /// The program's stdin (E2B's commands): what comes here is written to it, until a
+    /// piece closes it. `None`: stdin is `/dev/null`.
+    pub(crate) stdin: Option<mpsc::Receiver<sandbox_runner::StdinChunk>>,
 }
 
 /// The broker's side of programmatic tool calling for one exec.

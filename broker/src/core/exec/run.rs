@@ -127,6 +127,7 @@ impl Broker {
             events,
             tools,
             cancel,
+            stdin,
         } = hooks;
         let (specs, calls, results) = match tools {
             Some(bridge) => (bridge.specs, Some(bridge.calls), Some(bridge.results)),
@@ -144,6 +145,7 @@ impl Broker {
             max_display_events: self.config.exec_limits.max_display_events,
             max_display_bytes: self.config.exec_limits.max_display_bytes,
             rich: input.rich,
+            stdin: stdin.is_some(),
         };
         // Calls to tools the code was not given are answered here, never sent on.
         let (refusals_tx, refusals) = mpsc::unbounded_channel::<ToolResult>();
@@ -170,6 +172,7 @@ impl Broker {
             &mut router,
             events.as_ref(),
             (results, refusals),
+            stdin,
             cancel.unwrap_or_default(),
             Duration::from_millis(timeout_ms) + EXEC_GRACE,
         )
@@ -261,7 +264,7 @@ impl Broker {
 }
 
 /// Runs `job` on `sandbox` until the runner answers or `deadline` passes, answering the
-/// tool results and refusals as they come and passing a cancel on once. The events go to
+/// tool results and refusals as they come, passing stdin on, and a cancel once. The events go to
 /// the front end through a bounded channel: the exec waits for a consumer that is behind.
 #[allow(clippy::too_many_arguments)]
 async fn run_job(
@@ -274,6 +277,7 @@ async fn run_job(
         Option<mpsc::Receiver<ToolResult>>,
         mpsc::UnboundedReceiver<ToolResult>,
     ),
+    mut stdin: Option<mpsc::Receiver<sandbox_runner::StdinChunk>>,
     cancel: CancellationToken,
     deadline: Duration,
 ) -> Driven {
@@ -289,6 +293,9 @@ async fn run_job(
                 }
                 Some(result) = refusals.recv() => {
                     let _ = sandbox.tool_result(job, result).await;
+                }
+                Some(chunk) = recv_opt(&mut stdin) => {
+                    let _ = sandbox.stdin(job, chunk).await;
                 }
                 _ = cancel.cancelled(), if !cancelled => {
                     cancelled = true;

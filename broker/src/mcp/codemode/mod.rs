@@ -463,6 +463,7 @@ py. It runs in this MCP session's sandbox session, beside the files of execute_c
                 results: results_rx,
             }),
             cancel: Some(cancel),
+            stdin: None,
         };
         // A task of its own: the session's turn is released even if the caller goes away.
         let output = broker.spawn_exec(admitted, input, hooks).await?;

@@ -5,8 +5,8 @@ use crate::quota::Usage;
 use crate::sys::Waker;
 use sandbox_runner::sync::{unpoisoned, LockExt as _};
 use sandbox_runner::{
-    ExecRequest, JobId, PackInstallsRequest, RestoreStateRequest, SaveStateRequest, ToolResult,
-    UnpackInstallsRequest,
+    ExecRequest, JobId, PackInstallsRequest, RestoreStateRequest, SaveStateRequest, StdinChunk,
+    ToolResult, UnpackInstallsRequest,
 };
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
@@ -47,6 +47,9 @@ pub struct Control {
     pub preloading: Arc<AtomicBool>,
 }
 
+/// Most bytes of stdin held for an exec that has not started yet.
+const EARLY_STDIN_BYTES: usize = 1 << 20;
+
 /// See [`Control`].
 struct State {
     /// Tasks not started yet.
@@ -57,6 +60,12 @@ struct State {
     cancel: bool,
     /// Tool results for `current` not yet handed to its tool calls.
     tool_results: Vec<ToolResult>,
+    /// Stdin for `current`'s program not yet written.
+    stdin: Vec<StdinChunk>,
+    /// Stdin that came for a job before its exec did (the broker's frames of one job may
+    /// be written in either order), handed over when that exec starts; at most
+    /// [`EARLY_STDIN_BYTES`].
+    early_stdin: Vec<(JobId, StdinChunk)>,
     /// The exec the quota watcher should measure for, and the workspace usage it started
     /// with.
     watch: Option<(JobId, Usage)>,
@@ -87,6 +96,8 @@ impl Control {
                 current: None,
                 cancel: false,
                 tool_results: Vec::new(),
+                stdin: Vec::new(),
+                early_stdin: Vec::new(),
                 watch: None,
                 disk_over: false,
                 idle_watch: None,
@@ -120,6 +131,12 @@ impl Control {
         st.cancel = false;
         st.disk_over = false;
         st.tool_results.clear();
+        let early = std::mem::take(&mut st.early_stdin);
+        st.stdin = early
+            .into_iter()
+            .filter(|(j, _)| *j == job)
+            .map(|(_, chunk)| chunk)
+            .collect();
         st.queue.push_back(Task::Exec(job, req));
         drop(st);
         self.waker.wake();
@@ -151,6 +168,26 @@ impl Control {
             drop(st);
             self.waker.wake();
         }
+    }
+
+    /// Hands stdin to the program of `job`; kept for a while when that job has not
+    /// started yet (see `early_stdin`), dropped when another one runs.
+    pub fn stdin(&self, job: JobId, chunk: StdinChunk) {
+        let mut st = self.lock();
+        if st.current == Some(job) {
+            st.stdin.push(chunk);
+            drop(st);
+            self.waker.wake();
+        } else if st.current.is_none() {
+            let held: usize = st.early_stdin.iter().map(|(_, c)| c.data.len()).sum();
+            if held + chunk.data.len() <= EARLY_STDIN_BYTES {
+                st.early_stdin.push((job, chunk));
+            }
+        }
+    }
+
+    pub(crate) fn take_stdin(&self) -> Vec<StdinChunk> {
+        std::mem::take(&mut self.lock().stdin)
     }
 
     pub(crate) fn take_tool_results(&self) -> Vec<ToolResult> {

@@ -10,7 +10,7 @@ use crate::spawn::Spec;
 use crate::sys;
 use crate::tools::ToolBridge;
 use crate::{client, plan, stubs};
-use sandbox_runner::{ExecRequest, JobId, Language, Limit, Stream};
+use sandbox_runner::{ExecRequest, JobId, Language, Limit, StdinChunk, Stream};
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -98,7 +98,7 @@ impl Worker {
         {
             // The compiler's own output is shown only when compiling fails.
             let mut cc = Capture::new(req.max_output_bytes, false);
-            let exit = self.run_child(ctl, &mut cc, compile, dir, &cfg.env);
+            let exit = self.run_child(ctl, &mut cc, compile, dir, &cfg.env, false);
             if exit != Exit::Code(0) || ctl.stop.is_some() {
                 for which in [Stream::Stdout, Stream::Stderr] {
                     if let Some(text) = sink.push(which, cc.bytes(which)) {
@@ -122,7 +122,7 @@ impl Worker {
         argv.extend(req.args.iter().cloned());
         let workdir = self.cfg.workdir.clone();
         let env = env.as_deref().unwrap_or(&cfg.env);
-        Ok(self.run_child(ctl, sink, &argv, &workdir, env))
+        Ok(self.run_child(ctl, sink, &argv, &workdir, env, req.stdin))
     }
 
     /// The environment of a program that may call tools, and the prelude file written for
@@ -181,6 +181,7 @@ impl Worker {
     }
 
     /// Runs one program to its end (or until stopped), then sweeps and drains its output.
+    /// With `stdin`, the program reads what [`StdinChunk`]s bring, until one closes it.
     fn run_child(
         &mut self,
         ctl: &mut ExecState,
@@ -188,9 +189,11 @@ impl Worker {
         argv: &[String],
         cwd: &Path,
         env: &[CString],
+        stdin: bool,
     ) -> Exit {
         let mut fds: [Option<OwnedFd>; 2] = [None, None];
-        let pid = match self.spawn_piped(argv, cwd, env, &mut fds) {
+        let mut input = StdinPipe::default();
+        let pid = match self.spawn_piped(argv, cwd, env, &mut fds, stdin.then_some(&mut input)) {
             Ok(pid) => pid,
             Err(e) => {
                 let name = argv.first().map_or("", String::as_str);
@@ -236,11 +239,22 @@ impl Worker {
             if let Some(tools) = &ctl.tools {
                 tools.pollfds(&mut pfds);
             }
+            if stdin {
+                input.take(self.control.take_stdin());
+                input.flush();
+            }
+            let stdin_at = pfds.len();
+            if let Some(fd) = input.waiting() {
+                pfds.push(sys::pollout(fd));
+            }
             if let Err(e) = sys::poll(&mut pfds, timeout) {
                 eprintln!("sandbox-runner: poll: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }
             sys::drain(&self.wake_r);
+            if pfds.get(stdin_at).is_some_and(sys::ready) {
+                input.flush();
+            }
             // Output first, whatever woke us: it was written before a tool call that came.
             let now = Instant::now();
             if pfds[1..].iter().any(sys::ready) || gather.due(now) {
@@ -251,8 +265,9 @@ impl Worker {
                     fds[i] = slot;
                 }
             }
-            self.service_tools(ctl, &pfds[outputs..]);
+            self.service_tools(ctl, &pfds[outputs..stdin_at]);
         };
+        drop(input);
         let spare = self
             .kernel
             .as_ref()
@@ -263,25 +278,38 @@ impl Worker {
         exit
     }
 
-    /// Starts a program with stdin from /dev/null and stdout/stderr on fresh pipes.
+    /// Starts a program with stdout/stderr on fresh pipes, and stdin from /dev/null, or
+    /// from a pipe whose write end goes to `input`.
     fn spawn_piped(
         &mut self,
         argv: &[String],
         cwd: &Path,
         env: &[CString],
         fds: &mut [Option<OwnedFd>; 2],
+        input: Option<&mut StdinPipe>,
     ) -> io::Result<libc::pid_t> {
         let (out_r, out_w) = sys::pipe()?;
         let (err_r, err_w) = sys::pipe()?;
         sys::set_nonblocking(&out_r)?;
         sys::set_nonblocking(&err_r)?;
+        // Held until the child has it: the child's end of the stdin pipe.
+        let mut stdin_r = None;
+        if let Some(input) = input {
+            let (r, w) = sys::pipe()?;
+            sys::set_nonblocking(&w)?;
+            input.fd = Some(w);
+            stdin_r = Some(r);
+        }
+        let stdin_fd = stdin_r
+            .as_ref()
+            .map_or(self.devnull.as_raw_fd(), |r| r.as_raw_fd());
         let spec = Spec::new(
             argv,
             &self.cfg.path,
             env,
             cwd,
             vec![
-                (self.devnull.as_raw_fd(), 0),
+                (stdin_fd, 0),
                 (out_w.as_raw_fd(), 1),
                 (err_w.as_raw_fd(), 2),
             ],
@@ -289,6 +317,60 @@ impl Worker {
         let pid = self.tracker.spawn(&spec)?;
         *fds = [Some(out_r), Some(err_r)];
         Ok(pid)
+    }
+}
+
+/// The write end of a program's stdin, and what waits to be written to it.
+#[derive(Default)]
+struct StdinPipe {
+    /// The pipe; `None` once closed (asked for, or the program stopped reading).
+    fd: Option<OwnedFd>,
+    /// Bytes not yet written.
+    pending: Vec<u8>,
+    /// Close once `pending` is written.
+    close: bool,
+}
+
+impl StdinPipe {
+    /// Queues what the broker sent.
+    fn take(&mut self, chunks: Vec<StdinChunk>) {
+        for chunk in chunks {
+            if self.fd.is_some() {
+                self.pending.extend_from_slice(&chunk.data);
+            }
+            self.close |= chunk.close;
+        }
+    }
+
+    /// Writes what the pipe takes without blocking; closes it when asked and done, or
+    /// when the program stopped reading.
+    fn flush(&mut self) {
+        let Some(fd) = self.fd.as_ref() else {
+            self.pending.clear();
+            return;
+        };
+        while !self.pending.is_empty() {
+            match sys::write(fd, &self.pending) {
+                Ok(0) => return,
+                Ok(n) => {
+                    self.pending.drain(..n);
+                }
+                Err(_) => {
+                    // EPIPE: nobody reads any more.
+                    self.fd = None;
+                    self.pending.clear();
+                    return;
+                }
+            }
+        }
+        if self.close {
+            self.fd = None;
+        }
+    }
+
+    /// The pipe, when bytes wait for room in it.
+    fn waiting(&self) -> Option<&OwnedFd> {
+        self.fd.as_ref().filter(|_| !self.pending.is_empty())
     }
 }
 
