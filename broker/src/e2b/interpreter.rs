@@ -5,7 +5,7 @@
 
 use super::data::DataRequest;
 use super::paths::{e2b_path, workspace_relative, HOME};
-use super::process::{is_env_name, run_code, shell_quote, ScriptRun};
+use super::process::{env_exports, exec_cap_ms, is_env_name, run_code, ScriptRun};
 use crate::clock::now_ms;
 use crate::core::{Display, ExecEvent, ExecHooks, OutputStream, Verdict};
 use axum::body::{Body, Bytes};
@@ -249,20 +249,9 @@ async fn run_execution(
     call_env: BTreeMap<String, String>,
     lines: mpsc::Sender<Bytes>,
 ) {
-    let cap = request
-        .state
-        .broker
-        .config()
-        .exec_limits
-        .max_exec_timeout_ms;
+    let cap = exec_cap_ms(&request);
     let code = match lang {
-        Language::Bash if !env.is_empty() => {
-            let exports: String = env
-                .iter()
-                .map(|(k, v)| format!("export {k}={}\n", shell_quote(v)))
-                .collect();
-            format!("{exports}{code}")
-        }
+        Language::Bash if !env.is_empty() => format!("{}{code}", env_exports(env.iter())),
         _ => code,
     };
     // Python keeps one kernel: the variables are set before the code, and the

@@ -71,6 +71,22 @@ pub(super) fn is_env_name(name: &str) -> bool {
         && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
+/// `export NAME='value'` lines for Bash; the names were checked with [`is_env_name`].
+pub(super) fn env_exports<'a>(env: impl Iterator<Item = (&'a String, &'a String)>) -> String {
+    env.map(|(name, value)| format!("export {name}={}\n", shell_quote(value)))
+        .collect()
+}
+
+/// The most an exec may run (CODEBROKER_MAX_EXEC_TIMEOUT_MS), in ms.
+pub(super) fn exec_cap_ms(request: &DataRequest) -> u64 {
+    request
+        .state
+        .broker
+        .config()
+        .exec_limits
+        .max_exec_timeout_ms
+}
+
 /// `text` as one shell word.
 pub(super) fn shell_quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', r"'\''"))
@@ -277,16 +293,13 @@ struct ProcessConfig {
 /// The Bash script that runs `config` with the sandbox's and the command's environment,
 /// in its working directory.
 fn command_script(sandbox: &E2bSandbox, config: &ProcessConfig) -> Result<String, RpcError> {
-    let mut script = String::new();
-    for (name, value) in sandbox.env_vars.iter().chain(&config.envs) {
-        if !is_env_name(name) {
-            return Err(RpcError::new(
-                "invalid_argument",
-                format!("invalid environment variable name {name:?}"),
-            ));
-        }
-        script.push_str(&format!("export {name}={}\n", shell_quote(value)));
+    if let Some(bad) = config.envs.keys().find(|k| !is_env_name(k)) {
+        return Err(RpcError::new(
+            "invalid_argument",
+            format!("invalid environment variable name {bad:?}"),
+        ));
     }
+    let mut script = env_exports(sandbox.env_vars.iter().chain(&config.envs));
     if let Some(cwd) = config.cwd.as_deref().filter(|c| !c.is_empty()) {
         let relative =
             workspace_relative(cwd).map_err(|e| RpcError::new("permission_denied", e))?;
@@ -420,12 +433,7 @@ async fn start(request: DataRequest, body: Body) -> Response {
         Ok(s) => s,
         Err(e) => return stream_error(&e),
     };
-    let cap = request
-        .state
-        .broker
-        .config()
-        .exec_limits
-        .max_exec_timeout_ms;
+    let cap = exec_cap_ms(&request);
     let limited = timeout_ms.is_some_and(|ms| ms <= cap);
     let cancel = CancellationToken::new();
     let (stdin_tx, stdin_rx) = match start.stdin {
