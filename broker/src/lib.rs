@@ -18,6 +18,7 @@ mod e2b;
 pub(crate) mod egress;
 mod http;
 mod identity;
+mod jupyter;
 pub use identity::settle as settle_capabilities;
 mod mcp;
 mod metrics;
@@ -117,8 +118,9 @@ pub async fn run(
         }
     });
     let mcp = mcp::router(&state);
-    let e2b = e2b::router(&state);
-    let app = http::router(state, mcp, e2b);
+    // E2B's and Jupyter's front ends check credentials their own way.
+    let own_auth = e2b::router(&state).merge(jupyter::router(&state));
+    let app = http::router(state, mcp, own_auth);
     let e2b = &broker.config().e2b;
     let app = e2b::with_host_routing(app, if e2b.e2b { &e2b.e2b_domain } else { "" });
     let addr = listener.local_addr()?;

@@ -40,6 +40,7 @@ mod caps;
 mod e2b;
 mod egress;
 mod exec;
+mod jupyter;
 mod sandbox;
 mod units;
 
@@ -48,6 +49,7 @@ pub use caps::*;
 pub use e2b::*;
 pub use egress::*;
 pub use exec::*;
+pub use jupyter::*;
 pub use sandbox::*;
 pub(crate) use units::*;
 
@@ -172,6 +174,10 @@ pub struct Config {
     /// E2B's SDKs: whether `/e2b` is served, its templates, timeouts and domain.
     #[command(flatten)]
     pub e2b: E2bConfig,
+
+    /// Jupyter's kernel protocol: whether `/jupyter` is served.
+    #[command(flatten)]
+    pub jupyter: JupyterConfig,
 
     /// Log format: `text` or `json`.
     #[arg(

@@ -19,6 +19,7 @@ mod state;
 mod surface;
 
 pub(crate) use error::{Error, Result};
+pub(crate) use exec::rich;
 pub(crate) use exec::{
     Admitted, Delivery, Display, ExecEvent, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile,
     OutputStream, ToolBridge, Verdict,

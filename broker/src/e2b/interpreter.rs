@@ -7,6 +7,7 @@ use super::data::DataRequest;
 use super::paths::{e2b_path, workspace_relative, HOME};
 use super::process::{env_exports, exec_cap_ms, is_env_name, run_code, ScriptRun};
 use crate::clock::now_ms;
+use crate::core::rich::{python_exception, tail, BUNDLE_MIME, ERROR_MIME};
 use crate::core::{Display, ExecEvent, ExecHooks, OutputStream, Verdict};
 use axum::body::{Body, Bytes};
 use axum::http::{header, Method, StatusCode};
@@ -359,11 +360,6 @@ async fn event_line(request: &DataRequest, event: ExecEvent) -> Option<Bytes> {
     }
 }
 
-/// The kernel's MIME bundle of a shown value (rich mode).
-const BUNDLE_MIME: &str = "application/x.codebroker-bundle+json";
-/// The kernel's uncaught exception (rich mode).
-const ERROR_MIME: &str = "application/x.codebroker-error+json";
-
 /// A bundle `{"main": bool, "data": {mime: value}}` as E2B's `result`.
 fn bundle_result(payload: &str) -> Option<Value> {
     let payload: Value = serde_json::from_str(payload).ok()?;
@@ -503,57 +499,9 @@ fn error_of(lang: Language, run: &ScriptRun, cap_ms: u64) -> Option<Value> {
     }
 }
 
-/// The exception's class name and message from the last line of a Python traceback.
-fn python_exception(stderr: &str) -> Option<(String, String)> {
-    let last = stderr.lines().rev().find(|l| !l.trim().is_empty())?;
-    if last.starts_with(' ') {
-        return None;
-    }
-    let (name, value) = last.split_once(": ").unwrap_or((last, ""));
-    let name = name.trim();
-    let valid = !name.is_empty()
-        && name
-            .chars()
-            .all(|c| c.is_alphanumeric() || c == '_' || c == '.');
-    valid.then(|| {
-        let short = name.rsplit('.').next().unwrap_or(name);
-        (short.to_string(), value.to_string())
-    })
-}
-
-/// The last `max` bytes of `text`, on a character boundary.
-fn tail(text: &str, max: usize) -> String {
-    let mut start = text.len().saturating_sub(max);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    text[start..].to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_traceback_names_its_exception() {
-        let tb = "Traceback (most recent call last):\n  File \"<cell>\", line 1\nZeroDivisionError: division by zero\n";
-        assert_eq!(
-            python_exception(tb),
-            Some((
-                "ZeroDivisionError".to_string(),
-                "division by zero".to_string()
-            ))
-        );
-        assert_eq!(
-            python_exception("pandas.errors.ParserError: bad\n"),
-            Some(("ParserError".to_string(), "bad".to_string()))
-        );
-        assert_eq!(
-            python_exception("KeyboardInterrupt\n").map(|e| e.0),
-            Some("KeyboardInterrupt".to_string())
-        );
-        assert_eq!(python_exception("some words: here\n"), None);
-    }
 
     #[test]
     fn mime_types_go_to_e2b_s_fields() {

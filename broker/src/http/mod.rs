@@ -115,8 +115,19 @@ pub(crate) fn router(
             state.clone(),
             count_refusals,
         ))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(tower_http::trace::TraceLayer::new_for_http().make_span_with(request_span))
         .with_state(state)
+}
+
+/// The span of one request: its method and path, never its query, which may carry a
+/// token (Jupyter's `?token=`).
+fn request_span<B>(request: &axum::http::Request<B>) -> tracing::Span {
+    tracing::debug_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path(),
+        version = ?request.version(),
+    )
 }
 
 /// Counts the 429s every route answers (rate and capacity limits) and the authentication

@@ -4,9 +4,10 @@
 //!
 //! A route added to a router without its entry here fails `every_route_is_in_the_spec`
 //! below (it reads every `.route("...")` and `.route_service("...")` in the sources) and the
-//! `observability` integration test (it calls every documented route). The exception is
-//! `src/e2b/`: those routes are E2B's API, whose contract is E2B's own OpenAPI document and
-//! protocol files (docs/E2B.md), not codebroker's.
+//! `observability` integration test (it calls every documented route). The exceptions are
+//! `src/e2b/` and `src/jupyter/`: those routes are E2B's API and Jupyter's, whose contracts
+//! are their own (E2B's OpenAPI document and protocol files, docs/E2B.md; Jupyter Server's
+//! REST API and messaging protocol, docs/JUPYTER.md), not codebroker's.
 
 use super::AppState;
 use axum::routing::get;
@@ -310,8 +311,12 @@ mod tests {
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            // E2B's API: documented by E2B (see the module's doc).
-            if path.is_dir() && path.file_name().is_some_and(|n| n == "e2b") {
+            // E2B's and Jupyter's APIs: documented by them (see the module's doc).
+            if path.is_dir()
+                && path
+                    .file_name()
+                    .is_some_and(|n| n == "e2b" || n == "jupyter")
+            {
                 continue;
             }
             if path.is_dir() {

@@ -33,7 +33,6 @@ use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,7 +44,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
 
 /// Largest request head (request line and headers) a connection may buffer. JWTs and keys
@@ -95,7 +96,11 @@ pub(crate) async fn serve(
 ) -> io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let peers = PeerCounts::new(limits.max_connections_per_peer.max(1));
-    let graceful = GracefulShutdown::new();
+    // Connections still serving HTTP, and the signal that asks them to finish: an
+    // upgraded connection (a WebSocket) leaves this count, and its handler watches the
+    // broker's own stop signal instead.
+    let open = TaskTracker::new();
+    let closing = CancellationToken::new();
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -128,7 +133,14 @@ pub(crate) async fn serve(
             continue;
         };
         configure(&tcp, limits.write_timeout);
-        let io = TokioIo::new(WriteDeadline::new(tcp, limits.write_timeout));
+        // The slots go with the socket, so a connection upgraded to a WebSocket keeps
+        // counting against both caps until it closes.
+        let io = TokioIo::new(WriteDeadline::new(tcp, limits.write_timeout).holding(
+            ConnectionSlots {
+                _slot: slot,
+                _peer: peer_slot,
+            },
+        ));
         // The peer's address for the handlers (per-peer budgets), as axum's
         // `into_make_service_with_connect_info` would give it.
         let service =
@@ -137,19 +149,29 @@ pub(crate) async fn serve(
                     request.extensions_mut().insert(ConnectInfo(peer));
                     request
                 });
-        let connection = builder.serve_connection(io, TowerToHyperService::new(service));
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(err) = connection.await {
+        let connection = builder
+            .serve_connection(io, TowerToHyperService::new(service))
+            .with_upgrades();
+        let closing = closing.clone();
+        open.spawn(async move {
+            tokio::pin!(connection);
+            let ended = tokio::select! {
+                ended = connection.as_mut() => ended,
+                () = closing.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(err) = ended {
                 tracing::debug!(error = %err, "connection ended with an error");
             }
-            drop(peer_slot);
-            drop(slot);
         });
     }
     // Closing the listener makes new connections fail at once.
     drop(listener);
-    graceful.shutdown().await;
+    closing.cancel();
+    open.close();
+    open.wait().await;
     Ok(())
 }
 
@@ -235,6 +257,16 @@ pub(crate) struct WriteDeadline {
     /// Set once the write side is shut: the end of the lingering close, and the bytes it
     /// has dropped so far.
     lingering: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
+    /// The connection's places under the caps, given back when the socket closes.
+    slots: Option<ConnectionSlots>,
+}
+
+/// A connection's place under the cap on open connections and under its peer's.
+struct ConnectionSlots {
+    /// Its slot of [`ServeLimits::max_connections`].
+    _slot: OwnedSemaphorePermit,
+    /// Its count against its peer address.
+    _peer: PeerSlot,
 }
 
 impl WriteDeadline {
@@ -244,7 +276,14 @@ impl WriteDeadline {
             timeout,
             stalled: None,
             lingering: None,
+            slots: None,
         }
+    }
+
+    /// The same connection, holding `slots` until it is dropped.
+    fn holding(mut self, slots: ConnectionSlots) -> WriteDeadline {
+        self.slots = Some(slots);
+        self
     }
 
     /// Reads and drops what the client still sends until it closes, [`LINGER`] passes

@@ -5,6 +5,7 @@
 
 mod collect;
 mod events;
+pub(crate) mod rich;
 mod run;
 
 pub(crate) use events::{Display, ExecEvent, OutputStream};
