@@ -17,7 +17,7 @@
 //!
 //! `BENCH_QUICK=1` runs every row with small counts (a smoke run of a minute or two);
 //! `BENCH_N` multiplies the counts of the full run. `BENCH_ROWS=warm,new` runs only the
-//! named groups (`warm`, `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`, `e2b`), e.g. to compare
+//! named groups (`warm`, `new`, `chat`, `runsc`, `burst`, `files`, `idle`, `churn`, `e2b`, `jupyter`), e.g. to compare
 //! runtimes (`CODEBROKER_RUNTIME=runsc`, read by the broker and the `docker run` baseline).
 
 #[path = "../../../tests/common/mod.rs"]
@@ -341,6 +341,11 @@ async fn main() {
         let group = GroupCost::start();
         rows::e2b::rows(scale, tmp.path(), &mut rows).await;
         notes.push(group.finish("e2b"));
+    }
+    if wanted("jupyter") {
+        let group = GroupCost::start();
+        rows::jupyter::rows(scale, tmp.path(), &mut rows).await;
+        notes.push(group.finish("jupyter"));
     }
     if wanted("churn") {
         let group = GroupCost::start();
