@@ -85,12 +85,13 @@ async fn token_credentials(mut request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-/// The `token` parameter of a query string, percent-decoded.
+/// The `token` parameter of a query string, percent-decoded. A `+` stays a `+`: Open WebUI
+/// writes the token into its WebSocket URL unencoded, and no key holds a space.
 fn query_token(query: &str) -> Option<String> {
     query.split('&').find_map(|pair| {
         let (name, value) = pair.split_once('=')?;
         (name == "token").then(|| {
-            percent_encoding::percent_decode_str(&value.replace('+', " "))
+            percent_encoding::percent_decode_str(value)
                 .decode_utf8_lossy()
                 .into_owned()
         })
@@ -277,6 +278,8 @@ mod tests {
     fn the_query_token_is_decoded() {
         assert_eq!(query_token("token=abc"), Some("abc".into()));
         assert_eq!(query_token("a=1&token=k%2Fy"), Some("k/y".into()));
+        assert_eq!(query_token("token=a+b"), Some("a+b".into()));
+        assert_eq!(query_token("token=a%2Bb"), Some("a+b".into()));
         assert_eq!(query_token("tokens=1"), None);
         assert_eq!(query_token(""), None);
     }
