@@ -19,7 +19,7 @@ IMAGE ?= codebroker-sandbox:latest
 export CODEBROKER_IMAGE := $(IMAGE)
 CARGO ?= cargo
 
-.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test e2b-test lobe-test playground-test daemon-test leftovers registries test-runsc test-runner-files test-k8s
+.PHONY: k8s-validate image run test unit-test e2e-test bench lint kernel-test librechat-test e2b-test jupyter-test lobe-test playground-test daemon-test leftovers registries test-runsc test-runner-files test-k8s
 
 image:
 	docker build -f sandbox-image/Dockerfile -t $(IMAGE) .
@@ -35,6 +35,7 @@ test: image registries
 	$(MAKE) --no-print-directory lobe-test
 	$(MAKE) --no-print-directory librechat-test
 	$(MAKE) --no-print-directory e2b-test
+	$(MAKE) --no-print-directory jupyter-test
 	$(MAKE) --no-print-directory playground-test
 	$(MAKE) --no-print-directory daemon-test
 
@@ -103,7 +104,8 @@ test-k8s: image registries
 		export CODEBROKER_BIN="$$CARGO_TARGET_DIR/debug/codebroker"; fi; \
 	$(CARGO) test -p codebroker $(K8S_SUITES) -- --test-threads=4 $(K8S_SKIP); \
 	$(MAKE) --no-print-directory librechat-test; \
-	$(MAKE) --no-print-directory e2b-test
+	$(MAKE) --no-print-directory e2b-test; \
+	$(MAKE) --no-print-directory jupyter-test
 
 # What a test run left behind: containers with codebroker labels, session workspaces.
 leftovers:
@@ -136,6 +138,17 @@ e2b-test:
 		&& tests/e2b/.venv/bin/pip install -q -r tests/e2b/requirements.txt; }
 	cd tests/e2b && .venv/bin/pytest -q -p no:cacheprovider
 	cd tests/e2b/js && npm ci --no-audit --no-fund && npm test
+
+# Jupyter's kernel protocol at /jupyter, by its real clients against the debug broker
+# binary: Open WebUI's code interpreter (execute_code_jupyter) and a Jupyter Server using
+# codebroker as its kernel gateway, in a venv made once (tests/jupyter). open-webui goes
+# in without its dependencies (gigabytes): requirements.txt has what its client imports.
+jupyter-test:
+	$(CARGO) build -p codebroker
+	test -x tests/jupyter/.venv/bin/pytest || { python3 -m venv tests/jupyter/.venv \
+		&& tests/jupyter/.venv/bin/pip install -q -r tests/jupyter/requirements.txt \
+		&& tests/jupyter/.venv/bin/pip install -q --no-deps open-webui==0.12.4; }
+	cd tests/jupyter && .venv/bin/pytest -q -p no:cacheprovider
 
 # The LobeChat plugin checked by LobeChat's own code: the manifest against the SDK's
 # pluginManifestSchema, runCode through its plugin gateway, against the debug broker binary.
