@@ -8,6 +8,7 @@ use super::messages::Message;
 use super::{Kernel, Kernels};
 use crate::core::rich::{python_exception, tail, BUNDLE_MIME, ERROR_MIME};
 use crate::core::{Display, ExecEvent, ExecHooks, ExecInput, OutputStream, SessionChoice, Verdict};
+use crate::sync::LockExt as _;
 use base64::Engine as _;
 use sandbox_runner::{Language, Limit};
 use serde_json::{json, Value};
@@ -98,7 +99,7 @@ async fn execute(kernels: &Kernels, kernel: &Kernel, request: &Message, out: &Ou
     };
     let Some(code) = content["code"].as_str() else {
         let error = CellError::new("ValueError", "execute_request needs a string `code`");
-        return fail(out, &msg, &request.channel, count, &error, true).await;
+        return fail(out, &msg, &request.channel, count, &error).await;
     };
     if !silent {
         out.publish(msg(
@@ -124,25 +125,19 @@ async fn execute(kernels: &Kernels, kernel: &Kernel, request: &Message, out: &Ou
             .await;
             CellEnd::Ok
         }
-        Some((error, published)) => {
-            fail(out, &msg, &request.channel, count, &error, !published).await
-        }
+        Some(error) => fail(out, &msg, &request.channel, count, &error).await,
     }
 }
 
-/// Sends a failed cell's `error` (unless the kernel's own went out already) and its
-/// `execute_reply`.
+/// Sends a failed cell's `error` and its `execute_reply`.
 async fn fail(
     out: &Outbox,
     msg: &impl Fn(&str, &str, Value) -> Message,
     channel: &str,
     count: u64,
     error: &CellError,
-    publish: bool,
 ) -> CellEnd {
-    if publish {
-        out.publish(msg("iopub", "error", error.content())).await;
-    }
+    out.publish(msg("iopub", "error", error.content())).await;
     let mut reply = error.content();
     reply["status"] = json!("error");
     reply["execution_count"] = json!(count);
@@ -152,8 +147,7 @@ async fn fail(
     CellEnd::Failed
 }
 
-/// Runs the code as one exec and publishes its output; the error, if the cell failed,
-/// and whether it was published already.
+/// Runs the code as one exec and publishes its output; the error, if the cell failed.
 async fn run_code(
     kernels: &Kernels,
     kernel: &Kernel,
@@ -162,20 +156,11 @@ async fn run_code(
     count: u64,
     out: &Outbox,
     msg: &impl Fn(&str, &str, Value) -> Message,
-) -> Option<(CellError, bool)> {
-    if !kernel.env_set.load(Ordering::SeqCst) {
-        // The create's variables, once, before the first cell.
-        let pairs = serde_json::to_string(&kernel.env).unwrap_or_else(|_| "{}".into());
-        let set = format!("import os as _k_os\n_k_os.environ.update({pairs})\ndel _k_os\n");
-        if exec(kernels, kernel, set, ExecHooks::default())
-            .await
-            .is_ok()
-        {
-            kernel.env_set.store(true, Ordering::SeqCst);
-        }
-    }
+) -> Option<CellError> {
+    // Set before anything runs, so an interrupt during the variables' exec stops the cell.
     let cancel = CancellationToken::new();
-    *crate::sync::LockExt::locked(&kernel.running) = Some(cancel.clone());
+    *kernel.running.locked() = Some(cancel.clone());
+    set_env(kernels, kernel, &cancel).await;
     let (events, mut received) = mpsc::channel::<ExecEvent>(64);
     let hooks = ExecHooks {
         events: Some(events),
@@ -207,12 +192,40 @@ async fn run_code(
         )
         .await;
     }
-    *crate::sync::LockExt::locked(&kernel.running) = None;
+    *kernel.running.locked() = None;
     let interrupted = cancel.is_cancelled();
     match outcome {
-        Ok(_) if kernel_error.is_some() => kernel_error.map(|e| (e, true)),
-        Ok(run) => failure(&run, interrupted, exec_cap_ms(kernels)).map(|e| (e, false)),
-        Err(message) => Some((CellError::new("SandboxError", message), false)),
+        // A limit is the cause even when the kernel reports how it stopped the code (the
+        // KeyboardInterrupt of a time limit).
+        Ok(run) if matches!(run.verdict, Verdict::Limit(_)) => {
+            failure(&run, interrupted, exec_cap_ms(kernels))
+        }
+        Ok(_) if kernel_error.is_some() => kernel_error,
+        Ok(run) => failure(&run, interrupted, exec_cap_ms(kernels)),
+        Err(message) => Some(CellError::new("SandboxError", message)),
+    }
+}
+
+/// Sets the create's variables in the kernel's Python when its sandbox has not got them
+/// yet: before the first cell, and after the sandbox was replaced (released when idle, or
+/// restarted), since the saved Python state does not hold `os.environ`.
+async fn set_env(kernels: &Kernels, kernel: &Kernel, cancel: &CancellationToken) {
+    if kernel.env.is_empty() {
+        return;
+    }
+    let current = || kernel.session.sandbox().map(|s| s.container_id.clone());
+    let have = kernel.env_in.locked().clone();
+    if have.is_some() && have == current() {
+        return;
+    }
+    let pairs = serde_json::to_string(&kernel.env).unwrap_or_else(|_| "{}".into());
+    let set = format!("import os as _k_os\n_k_os.environ.update({pairs})\ndel _k_os\n");
+    let hooks = ExecHooks {
+        cancel: Some(cancel.clone()),
+        ..ExecHooks::default()
+    };
+    if exec(kernels, kernel, set, hooks).await.is_ok() && !cancel.is_cancelled() {
+        *kernel.env_in.locked() = current();
     }
 }
 
@@ -321,12 +334,12 @@ async fn show(
                 .await;
         }
         ExecEvent::Display(display) if display.mime == ERROR_MIME => {
+            // Published with the reply, once the exec's verdict says what ended the cell.
             let error = display
                 .data
                 .as_deref()
                 .and_then(kernel_exception)
                 .unwrap_or_else(|| CellError::new("Error", ""));
-            out.publish(msg("iopub", "error", error.content())).await;
             *kernel_error = Some(error);
         }
         ExecEvent::Display(display) => {

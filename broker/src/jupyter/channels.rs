@@ -153,14 +153,17 @@ async fn serve(
         loop {
             let frame = tokio::select! {
                 message = queued.recv() => match message {
-                    Some(message) => match message.to_frame(framing) {
-                        Frame::Text(text) => ws::Message::Text(text.into()),
-                        Frame::Binary(bytes) => ws::Message::Binary(bytes.into()),
-                    },
+                    Some(message) => to_ws(message.to_frame(framing)),
                     None => break,
                 },
                 Some(()) = ping_rx.recv() => ws::Message::Ping(Default::default()),
                 Some(frame) = close_rx.recv() => {
+                    // What was queued before the close (a shutdown's reply) goes first.
+                    while let Ok(message) = queued.try_recv() {
+                        if sink.send(to_ws(message.to_frame(framing))).await.is_err() {
+                            return;
+                        }
+                    }
                     let _ = sink.send(ws::Message::Close(Some(frame))).await;
                     break;
                 }
@@ -259,6 +262,13 @@ async fn serve(
     }
     // The writer ends once the cell under way (which runs on, as in a Jupyter kernel)
     // and this loop have dropped their senders.
+}
+
+fn to_ws(frame: Frame) -> ws::Message {
+    match frame {
+        Frame::Text(text) => ws::Message::Text(text.into()),
+        Frame::Binary(bytes) => ws::Message::Binary(bytes.into()),
+    }
 }
 
 fn close_frame(code: u16, reason: &str) -> CloseFrame {
@@ -511,9 +521,7 @@ pub(super) async fn restart(kernels: &Kernels, kernel: &Kernel) {
     broadcast(kernel, &status("restarting"), None);
     kernels.broker.restart_sandbox(&kernel.session).await;
     kernel.execution_count.store(0, Ordering::SeqCst);
-    kernel
-        .env_set
-        .store(kernel.env.is_empty(), Ordering::SeqCst);
+    *kernel.env_in.locked() = None;
     kernel.touch();
     broadcast(kernel, &status("idle"), None);
 }

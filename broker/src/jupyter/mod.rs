@@ -132,10 +132,11 @@ pub(crate) struct Kernel {
     user: Option<String>,
     /// The `session` of the headers it sends (Jupyter's kernel session).
     kernel_session: String,
-    /// Environment variables the create asked for, set before the first cell.
+    /// Environment variables the create asked for, set before the first cell and again in
+    /// each new sandbox (the saved Python state does not hold `os.environ`).
     env: std::collections::BTreeMap<String, String>,
-    /// Whether `env` was set in the kernel already.
-    env_set: AtomicBool,
+    /// The sandbox (container id) whose Python has `env`; `None`: none yet.
+    env_in: Mutex<Option<String>>,
     /// When a client last used it (ms since the epoch).
     last_activity_ms: AtomicU64,
     /// Whether a cell runs (`busy`) or not (`idle`).
