@@ -175,6 +175,34 @@ def flush_output():
         streams.flush_buffers()
 
 
+# How long a display event waits for the runner to read the output flushed before it.
+DRAIN_WAIT = 0.05
+
+
+def flush_output_and_wait():
+    """flush_output, then wait (at most DRAIN_WAIT) until the runner has read fds 1 and 2:
+    output and display events travel on different pipes, and a runner that wakes late
+    would find the output printed before a display and after it in one read, and send the
+    display after both."""
+    flush_output()
+    import fcntl
+    import struct
+    import termios
+    import time
+
+    deadline = time.monotonic() + DRAIN_WAIT
+    buf = bytearray(struct.calcsize("i"))
+    for fd in (1, 2):
+        while True:
+            try:
+                fcntl.ioctl(fd, termios.FIONREAD, buf)
+            except OSError:
+                break  # not a pipe any more (the cell replaced it): nothing to wait for
+            if struct.unpack("i", buf)[0] == 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0002)
+
+
 class OrderedStderr(io.TextIOWrapper):
     """The kernel's stderr: buffered stdout is flushed before anything is written here."""
 
@@ -1193,7 +1221,7 @@ class Kernel:
 
     def display(self, mime, name):
         """Tell the runner about a file the cell showed (a saved figure)."""
-        flush_output()  # what was printed before the figure comes before it
+        flush_output_and_wait()  # what was printed before the figure comes before it
         try:
             self.channel.send({"event": "display", "id": self.request_id, "mime": mime, "name": name})
         except OSError:
@@ -1203,7 +1231,7 @@ class Kernel:
 
     def send_rich(self, mime, payload):
         """A display event carrying `payload` as JSON (a bundle or an error)."""
-        flush_output()  # what was printed before the value comes before it
+        flush_output_and_wait()  # what was printed before the value comes before it
         try:
             import json
 
