@@ -65,7 +65,7 @@ test-runsc: image
 # egress suite with its connections tunnelled over the runner channel, as on Kubernetes.
 RUNNER_FILES_SUITES ?= --test files --test uploads --test python --test programmatic \
 	--test lifecycle --test file_transfer --test shared_files --test python_state \
-	--test e2b_protocol
+	--test e2b_protocol --test jupyter_protocol
 test-runner-files: image registries
 	CODEBROKER_FILE_TRANSFER=runner $(CARGO) test -p codebroker $(RUNNER_FILES_SUITES) -- --test-threads=4
 	CODEBROKER_EGRESS_TRANSPORT=runner $(CARGO) test -p codebroker --test egress -- --test-threads=2
@@ -83,7 +83,7 @@ test-runner-files: image registries
 # pod's weight is its CPU request, fixed when it is created).
 K8S_SUITES ?= --test languages --test files --test limits --test python --test uploads --test egress \
 	--test lifecycle --test streaming --test bad_input --test file_transfer --test shared_files \
-	--test kubernetes --test e2b_protocol
+	--test kubernetes --test e2b_protocol --test jupyter_protocol
 K8S_SKIP ?= --skip lockdown_flags_read_back_from_docker_inspect \
 	--skip an_upload_session_is_handed_a_pooled_sandbox_that_survives_a_restart \
 	--skip a_pooled_kernel_has_the_data_stack_loaded_and_leaves_nothing_else \
