@@ -261,12 +261,15 @@ pub(crate) struct WriteDeadline {
     slots: Option<ConnectionSlots>,
 }
 
-/// A connection's place under the cap on open connections and under its peer's.
+/// A connection's place under the cap on open connections and under its peer's. The
+/// fields drop in order: the peer's count goes first, so the accept loop, woken by the
+/// freed slot, never counts the closed connection against the next one of the same peer
+/// (which would refuse it with a 503 while the total has room).
 struct ConnectionSlots {
-    /// Its slot of [`ServeLimits::max_connections`].
-    _slot: OwnedSemaphorePermit,
     /// Its count against its peer address.
     _peer: PeerSlot,
+    /// Its slot of [`ServeLimits::max_connections`].
+    _slot: OwnedSemaphorePermit,
 }
 
 impl WriteDeadline {
