@@ -21,8 +21,8 @@ mod surface;
 pub(crate) use error::{Error, Result};
 pub(crate) use exec::rich;
 pub(crate) use exec::{
-    Admitted, Delivery, Display, ExecEvent, ExecHooks, ExecInput, ExecOutput, ExecRun, InputFile,
-    OutputStream, ToolBridge, Verdict,
+    is_env_name, Admitted, Delivery, Display, ExecEvent, ExecHooks, ExecInput, ExecOutput, ExecRun,
+    InputFile, OutputStream, ToolBridge, Verdict,
 };
 pub(crate) use sessions::SessionChoice;
 pub(crate) use surface::Refusal;

@@ -110,6 +110,29 @@ impl Broker {
             .ok()?
     }
 
+    /// What a front end inlines for a display: the file it names read (at most `cap`
+    /// bytes), as text for text types and SVG, else base64; or the display's own small
+    /// text. `None` when the file cannot be read.
+    pub(crate) async fn display_value(
+        &self,
+        session: &Session,
+        display: &crate::core::Display,
+        cap: u64,
+    ) -> Option<String> {
+        use base64::Engine as _;
+        let Some(name) = &display.name else {
+            return display.data.clone();
+        };
+        let bytes = self.display_bytes(session, name, cap).await?;
+        Some(
+            if display.mime.starts_with("text/") || display.mime == "image/svg+xml" {
+                String::from_utf8_lossy(&bytes).into_owned()
+            } else {
+                base64::engine::general_purpose::STANDARD.encode(bytes)
+            },
+        )
+    }
+
     /// The session an upload goes to: the one named by `session_id`, else the one of
     /// `entity_id`, when the caller may see it (the upload then takes a token of the exec
     /// rate, as a new session would); else a new one.

@@ -13,7 +13,6 @@ use axum::body::{Body, Bytes};
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine as _;
 use sandbox_runner::{Language, Limit};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -411,22 +410,13 @@ async fn display_result(request: &DataRequest, display: &Display) -> Option<Valu
         (ERROR_MIME, Some(payload)) => return error_line(payload),
         _ => {}
     }
-    let value = match (&display.name, &display.data) {
-        (Some(name), _) => {
-            let bytes = request
-                .state
-                .broker
-                .display_bytes(&request.sandbox.session, name, MAX_RESULT_BYTES)
-                .await?;
-            if display.mime.starts_with("text/") || display.mime == "image/svg+xml" {
-                Value::String(String::from_utf8_lossy(&bytes).into_owned())
-            } else {
-                Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
-            }
-        }
-        (None, Some(data)) => Value::String(data.clone()),
-        (None, None) => return None,
-    };
+    let value = Value::String(
+        request
+            .state
+            .broker
+            .display_value(&request.sandbox.session, display, MAX_RESULT_BYTES)
+            .await?,
+    );
     let mut result = json!({"type": "result", "is_main_result": false});
     let field = result_field(&display.mime);
     if field == "json" {

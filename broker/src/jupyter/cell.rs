@@ -9,7 +9,6 @@ use super::{Kernel, Kernels};
 use crate::core::rich::{python_exception, tail, BUNDLE_MIME, ERROR_MIME};
 use crate::core::{Display, ExecEvent, ExecHooks, ExecInput, OutputStream, SessionChoice, Verdict};
 use crate::sync::LockExt as _;
-use base64::Engine as _;
 use sandbox_runner::{Language, Limit};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
@@ -32,11 +31,20 @@ pub(super) struct CellError {
 
 impl CellError {
     pub(super) fn new(ename: &str, evalue: impl Into<String>) -> CellError {
-        let evalue = evalue.into();
+        CellError::with_traceback(ename.to_string(), evalue.into(), "")
+    }
+
+    /// An error whose traceback is `text`, a line per entry as Jupyter sends it (the
+    /// exception's line alone when `text` is empty).
+    fn with_traceback(ename: String, evalue: String, text: &str) -> CellError {
+        let mut traceback: Vec<String> = text.lines().map(str::to_string).collect();
+        if traceback.is_empty() {
+            traceback.push(format!("{ename}: {evalue}"));
+        }
         CellError {
-            traceback: vec![format!("{ename}: {evalue}")],
-            ename: ename.to_string(),
+            ename,
             evalue,
+            traceback,
         }
     }
 
@@ -299,15 +307,7 @@ fn failure(run: &Ran, interrupted: bool, cap_ms: u64) -> Option<CellError> {
             let (ename, evalue) = python_exception(&run.stderr)
                 .unwrap_or_else(|| ("SystemExit".to_string(), code.to_string()));
             let text = tail(&run.stderr, MAX_ERROR_TAIL);
-            let mut traceback: Vec<String> = text.lines().map(str::to_string).collect();
-            if traceback.is_empty() {
-                traceback.push(format!("{ename}: {evalue}"));
-            }
-            Some(CellError {
-                ename,
-                evalue,
-                traceback,
-            })
+            Some(CellError::with_traceback(ename, evalue, &text))
         }
     }
 }
@@ -373,20 +373,8 @@ fn kernel_exception(payload: &str) -> Option<CellError> {
     let error: Value = serde_json::from_str(payload).ok()?;
     let ename = error["name"].as_str().unwrap_or("Error").to_string();
     let evalue = error["value"].as_str().unwrap_or("").to_string();
-    let mut traceback: Vec<String> = error["traceback"]
-        .as_str()
-        .unwrap_or("")
-        .lines()
-        .map(str::to_string)
-        .collect();
-    if traceback.is_empty() {
-        traceback.push(format!("{ename}: {evalue}"));
-    }
-    Some(CellError {
-        ename,
-        evalue,
-        traceback,
-    })
+    let text = error["traceback"].as_str().unwrap_or("");
+    Some(CellError::with_traceback(ename, evalue, text))
 }
 
 /// A display as a MIME bundle, and whether it is the cell's result: the kernel's own
@@ -397,21 +385,10 @@ async fn bundle(kernels: &Kernels, kernel: &Kernel, display: &Display) -> Option
         let data = payload.get("data").filter(|d| d.is_object())?.clone();
         return Some((payload["main"].as_bool().unwrap_or(false), data));
     }
-    let value = match (&display.name, &display.data) {
-        (Some(name), _) => {
-            let bytes = kernels
-                .broker
-                .display_bytes(&kernel.session, name, MAX_DISPLAY_BYTES)
-                .await?;
-            if display.mime.starts_with("text/") || display.mime == "image/svg+xml" {
-                String::from_utf8_lossy(&bytes).into_owned()
-            } else {
-                base64::engine::general_purpose::STANDARD.encode(bytes)
-            }
-        }
-        (None, Some(data)) => data.clone(),
-        (None, None) => return None,
-    };
+    let value = kernels
+        .broker
+        .display_value(&kernel.session, display, MAX_DISPLAY_BYTES)
+        .await?;
     let mut data = json!({ display.mime.clone(): value });
     if let Some(name) = &display.name {
         // Where the file is in the workspace, for a client that wants it.

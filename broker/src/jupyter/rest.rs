@@ -3,6 +3,7 @@
 //! sessions. Errors are codebroker's envelope, whose `message` Jupyter's clients show.
 
 use super::{Kernel, Kernels};
+use crate::core::is_env_name;
 use crate::http::auth::Caller;
 use crate::http::error::{AppError, AppResult};
 use crate::http::AppState;
@@ -188,15 +189,6 @@ fn checked_env(env: BTreeMap<String, String>) -> AppResult<BTreeMap<String, Stri
         )));
     }
     Ok(env)
-}
-
-/// Whether `name` is a portable environment variable name.
-fn is_env_name(name: &str) -> bool {
-    let mut bytes = name.bytes();
-    bytes
-        .next()
-        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
-        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 /// Starts a kernel: a new session with a pooled sandbox.

@@ -63,6 +63,16 @@ pub(crate) struct ExecInput {
     pub(crate) rich: bool,
 }
 
+/// Whether `name` may be an environment variable's name: front ends write the variables a
+/// client names into code (Bash exports, Python's `os.environ`).
+pub(crate) fn is_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
 /// What a front end attaches to an exec besides its input.
 #[derive(Default)]
 pub(crate) struct ExecHooks {
@@ -291,5 +301,20 @@ impl Broker {
             task,
             cancel_on_drop: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_env_name;
+
+    #[test]
+    fn env_names_are_checked() {
+        assert!(is_env_name("FOO_1"));
+        assert!(is_env_name("_x"));
+        assert!(!is_env_name("1A"));
+        assert!(!is_env_name("A;rm"));
+        assert!(!is_env_name("A B"));
+        assert!(!is_env_name(""));
     }
 }
