@@ -663,3 +663,38 @@ async fn requests_pipelined_behind_a_refused_one_are_not_read() {
     let (status, text) = files_with(&broker, &[("x-api-key", KEY.into())]).await;
     assert_eq!(status, 200, "{text}");
 }
+
+#[tokio::test]
+async fn a_token_in_the_query_never_reaches_the_log() {
+    // Jupyter's clients send the key as `?token=`; request spans would log the URI.
+    common::require_image();
+    let data = tempfile::tempdir().expect("tempdir");
+    let log_path = data.path().join("broker.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let mut command = std::process::Command::new(broker_binary());
+    command.stdout(log.try_clone().expect("log")).stderr(log);
+    let broker = Launch::program(
+        command,
+        &common::instance_name("edge-querylog"),
+        data.path(),
+    )
+    .envs(&[("CODEBROKER_API_KEY", KEY), ("RUST_LOG", "debug")])
+    .spawn()
+    .await;
+    let client = reqwest::Client::new();
+    let wrong = "wrong-token-in-the-query-0123";
+    for (token, status) in [(KEY, 200), (wrong, 401)] {
+        let resp = client
+            .get(broker.url(&format!("/jupyter/api/kernels?token={token}")))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status(), status);
+    }
+    drop(broker);
+    let text = std::fs::read_to_string(&log_path).expect("log");
+    // The requests were logged (their spans at debug), without their queries.
+    assert!(text.contains("/jupyter/api/kernels"), "{text}");
+    assert!(!text.contains(KEY), "the key is in the log");
+    assert!(!text.contains(wrong), "the wrong token is in the log");
+}
