@@ -17,7 +17,7 @@ import uuid
 import pytest
 from websockets.sync.client import connect
 
-from conftest import free_port, http
+from conftest import free_port, http, log_tail, wait_until_up
 
 # How long one cell may take to come back; the interrupted ones sleep far longer.
 CELL_TIMEOUT = 30
@@ -39,8 +39,7 @@ class JupyterServer:
         return http(method, f"{self.base}{path}", token=self.token, body=body, timeout=60)
 
     def log_tail(self):
-        with open(self.log, encoding="utf-8", errors="replace") as f:
-            return f.read()[-4000:]
+        return log_tail(self.log)
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +76,9 @@ def server(broker):
     with open(log, "wb") as out:
         child = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     js = JupyterServer(port, token, log, kernel_mark)
-    deadline = time.time() + 60
-    while True:
-        if child.poll() is not None:
-            raise RuntimeError(f"jupyter server exited:\n{js.log_tail()}")
-        try:
-            status, _ = http("GET", f"{js.base}/api", timeout=2)
-            if status == 200:
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            child.kill()
-            raise RuntimeError(f"jupyter server did not answer within 60 s:\n{js.log_tail()}")
-        time.sleep(0.2)
+    wait_until_up(
+        child, lambda: http("GET", f"{js.base}/api", timeout=2)[0] == 200, "jupyter server", log,
+    )
     yield js
     child.terminate()
     try:
