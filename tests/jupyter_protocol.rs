@@ -2290,3 +2290,84 @@ async fn a_second_socket_sees_the_iopub_messages_of_the_first() {
     let got = first.execute("print(shared + 1)").await;
     assert_printed(&got, "4\n", 5);
 }
+
+/// A connection to the broker from `source`, another loopback address than the test's
+/// other clients, so the per-peer cap counts only this test's connections.
+fn connect_from(source: [u8; 4], b: &TestBroker) -> std::net::TcpStream {
+    let port: u16 = b
+        .base
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket
+        .bind(&std::net::SocketAddr::from((source, 0)).into())
+        .expect("bind the source address");
+    socket
+        .connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], port)).into(),
+            Duration::from_secs(5),
+        )
+        .expect("connect");
+    socket.into()
+}
+
+/// `GET /jupyter/api` on a new connection from `source`: the status line.
+async fn status_line_from(source: [u8; 4], b: &TestBroker) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut s = connect_from(source, b);
+    tokio::task::spawn_blocking(move || {
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s.write_all(b"GET /jupyter/api HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .expect("write");
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer.lines().next().unwrap_or("").to_string()
+    })
+    .await
+    .expect("read")
+}
+
+#[tokio::test]
+async fn open_sockets_keep_their_connections_under_the_per_peer_cap() {
+    // An upgraded connection stays counted while it is open: kernel sockets cannot get
+    // around CODEBROKER_MAX_CONNECTIONS_PER_PEER (nor the total cap, the same slots).
+    let b = broker_with("jupyter-conncap", |c| c.caps.max_connections_per_peer = 2).await;
+    let id = new_kernel(&b, KEY_A).await;
+    let source = [127, 0, 0, 2];
+    let mut sockets = Vec::new();
+    for _ in 0..2 {
+        let request = format!("{}?token={KEY_A}", channels_url(&b, &id))
+            .into_client_request()
+            .expect("request");
+        let tcp = tokio::net::TcpStream::from_std({
+            let s = connect_from(source, &b);
+            s.set_nonblocking(true).expect("nonblocking");
+            s
+        })
+        .expect("tokio stream");
+        let (ws, _) = tokio_tungstenite::client_async(request, tcp)
+            .await
+            .expect("socket opens");
+        sockets.push(ws);
+    }
+    // Both sockets open: a third connection from the address is refused at once.
+    let line = status_line_from(source, &b).await;
+    assert!(line.starts_with("HTTP/1.1 503"), "{line}");
+    // One closes: the address is served again.
+    let mut closing = sockets.pop().expect("a socket");
+    closing.close(None).await.expect("close");
+    drop(closing);
+    let deadline = Instant::now() + REPLY;
+    loop {
+        let line = status_line_from(source, &b).await;
+        if line.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still refused: {line}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

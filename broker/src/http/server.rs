@@ -137,8 +137,8 @@ pub(crate) async fn serve(
         // counting against both caps until it closes.
         let io = TokioIo::new(WriteDeadline::new(tcp, limits.write_timeout).holding(
             ConnectionSlots {
-                _slot: slot,
                 _peer: peer_slot,
+                _slot: slot,
             },
         ));
         // The peer's address for the handlers (per-peer budgets), as axum's

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::mpsc;
 
 /// Messages queued for one socket's writer: a client that does not read holds the cell
 /// back (its output waits) instead of piling messages up here.
@@ -103,12 +103,6 @@ async fn connect(
         return AppError::not_found(format!("Kernel does not exist: {}", super::clip(&id)))
             .into_response();
     };
-    let Ok(permit) = kernels.channels.clone().try_acquire_owned() else {
-        return AppError::unavailable(
-            "too many kernel sockets are open; close one and retry".into(),
-        )
-        .into_response();
-    };
     // Up to twice the answered size is read, so a message a little too large gets an
     // error reply; past that the socket closes (1009) and the kernel stays.
     let hard_cap = kernels.max_message_bytes.saturating_mul(2);
@@ -116,17 +110,13 @@ async fn connect(
         .protocols([V1_SUBPROTOCOL])
         .max_message_size(hard_cap)
         .max_frame_size(hard_cap)
-        .on_upgrade(move |socket| serve(kernels, kernel, socket, permit))
+        .on_upgrade(move |socket| serve(kernels, kernel, socket))
 }
 
 /// Serves one socket until the client closes it, the kernel is deleted or the server
-/// stops.
-async fn serve(
-    kernels: Arc<Kernels>,
-    kernel: Arc<Kernel>,
-    socket: WebSocket,
-    permit: OwnedSemaphorePermit,
-) {
+/// stops. The socket counts against the connection caps while it is open: the server's
+/// slots go with the connection, upgraded or not (`http/server.rs`).
+async fn serve(kernels: Arc<Kernels>, kernel: Arc<Kernel>, socket: WebSocket) {
     let framing = match socket.protocol() {
         Some(p) if p.as_bytes() == V1_SUBPROTOCOL.as_bytes() => Framing::V1,
         _ => Framing::Legacy,
@@ -147,9 +137,7 @@ async fn serve(
     };
     let (pings, mut ping_rx) = mpsc::channel::<()>(1);
     let (closing, mut close_rx) = mpsc::channel::<CloseFrame>(1);
-    // The writer holds the socket's place under the cap until its last frame is out.
     tokio::spawn(async move {
-        let _permit = permit;
         loop {
             let frame = tokio::select! {
                 message = queued.recv() => match message {

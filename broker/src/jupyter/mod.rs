@@ -27,7 +27,6 @@ use axum::Router;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// The Jupyter routes (none when `CODEBROKER_JUPYTER=false`), behind the token check.
@@ -40,7 +39,6 @@ pub(crate) fn router(state: &AppState) -> Router<AppState> {
         broker: state.broker.clone(),
         kernels: Mutex::default(),
         sessions: Mutex::default(),
-        channels: Arc::new(Semaphore::new(config.caps.max_connections.max(1))),
         max_message_bytes: config.caps.max_body_mb * 1024 * 1024,
         shutdown: state.shutdown.child_token(),
         started_ms: crate::clock::now_ms(),
@@ -106,8 +104,6 @@ pub(crate) struct Kernels {
     kernels: Mutex<HashMap<String, Arc<Kernel>>>,
     /// Jupyter sessions (`/api/sessions`): a notebook path bound to a kernel, by id.
     sessions: Mutex<HashMap<String, rest::JupyterSession>>,
-    /// Open kernel WebSockets, capped like connections: each holds a task and buffers.
-    channels: Arc<Semaphore>,
     /// Largest message a socket answers (CODEBROKER_MAX_BODY_MB, as an exec's body); a
     /// larger one gets an error reply, and one over twice that closes the socket.
     max_message_bytes: usize,
