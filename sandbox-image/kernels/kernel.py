@@ -42,6 +42,7 @@ linecache) is imported until it is needed. Host testing: CODEBROKER_WORKDIR (def
 CODEBROKER_OUTPUT_FLUSH_MS changes the flush interval.
 """
 
+import builtins
 import _thread
 import gc
 import io
@@ -905,7 +906,8 @@ def part(name):
 # and the request waits for it: a cell running beside an import can meet a module half
 # initialized (Python's answer to two threads importing each other's modules). A cell whose
 # code names no import and that has no tools runs at once, beside the import under way
-# (`runs_beside_an_import`); if it fails, its traceback waits for that import. The preload
+# (`runs_beside_an_import`), and the import stops at its next import statement until the
+# cell ends (`Preload.pause_for_cell`); if it fails, its traceback waits for that import. The preload
 # stops all the same: letting it go on beside such a cell (the next one might import
 # pandas) cost each taken container up to 0.4 s more CPU, which a burst of new sessions
 # took from the refills and from each other (docs/PERFORMANCE.md). A
@@ -927,6 +929,7 @@ def part(name):
 
 PRELOAD_THREAD_NAME = "cb-preload"  # the thread's name in /proc (15 characters at most)
 FORK_WAITS_FOR_IMPORT = 5.0  # seconds; a backstop, an import takes well under one
+CELL_PAUSES_IMPORT = 1.0  # seconds a cell beside the import may hold the thread at most
 
 
 def runs_beside_an_import(req):
@@ -949,6 +952,18 @@ def runs_beside_an_import(req):
 # Words of a cell's code that make the kernel or Python import a module: an import of any
 # kind, top-level await (the kernel imports asyncio), help() (pydoc), breakpoint() (pdb).
 IMPORTING_WORDS = ("import", "await", "async", "help(", "breakpoint(")
+
+
+def fully_loaded(name):
+    """Whether `name` and its parents are in sys.modules and done initializing: importing
+    them again takes no module lock (what importlib itself checks). Opening a text file
+    imports `locale` so, and must not end a cell's pause of the preload."""
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return False
+    return True
 
 
 def preload_names(modules):
@@ -983,6 +998,9 @@ class Preload:
         self.saved_switch = None  # the interval before a cell ran beside the preload
         self.gc_paused = False  # this preload turned the garbage collector off (under gc_lock)
         self.gc_lock = _thread.allocate_lock()  # pause and resume: the thread's or a cell's
+        self.gate = _thread.allocate_lock()  # held by a cell beside the import: the thread waits
+        self.gating = _thread.allocate_lock()  # guards `paused_import` and `builtins.__import__`
+        self.paused_import = None  # the __import__ a gated cell replaced, until it ends
 
     def share_gil_finely(self):
         """Before a cell that runs beside the import under way: until the thread ends, hand
@@ -995,6 +1013,42 @@ class Preload:
                 return
             self.saved_switch = sys.getswitchinterval()
             sys.setswitchinterval(min(self.saved_switch, 0.0005))
+
+    def pause_for_cell(self):
+        """Before a cell that runs beside the import under way: the thread stops at its
+        next import statement until the cell ends, so the cell has the GIL to itself
+        instead of taking turns with the import every 0.5 ms. The pause point is
+        `builtins.__import__`, replaced for the cell's duration only: it is called before
+        the import takes any lock, so the thread waits holding only the locks of the
+        modules it is inside, which a cell that names no import does not need. An import
+        the cell makes all the same (a codec looked up, the rich display's helpers) ends
+        the pause first, and the thread waits CELL_PAUSES_IMPORT at most, should a
+        cell need one of its modules by a path that passes no `__import__`."""
+        with self.gating:
+            if self.ended or self.paused_import is not None:
+                return
+            self.gate.acquire()
+            self.paused_import = builtins.__import__
+            builtins.__import__ = self.gated_import
+
+    def resume_after_cell(self):
+        """Ends a cell's pause: the thread goes on with the import under way."""
+        with self.gating:
+            if self.paused_import is None:
+                return
+            if builtins.__import__ == self.gated_import:
+                builtins.__import__ = self.paused_import
+            self.paused_import = None
+            self.gate.release()
+
+    def gated_import(self, name, globals=None, locals=None, fromlist=(), level=0):
+        original = self.paused_import or __import__
+        if _thread.get_ident() == self.thread_id:
+            if self.gate.acquire(timeout=CELL_PAUSES_IMPORT):
+                self.gate.release()
+        elif level or not fully_loaded(name):
+            self.resume_after_cell()  # the cell imports: the thread may hold that module
+        return original(name, globals, locals, fromlist, level)
 
     def end_fine_sharing(self):
         with self.switching:
@@ -1034,6 +1088,7 @@ class Preload:
         import deadlock by handing out the partial module. The cell that follows runs with
         the garbage collector on, and with the usual GIL switch interval (the preload is
         stopped: nothing is imported beside it any more)."""
+        self.resume_after_cell()
         if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
             try:
                 self.resume_gc()
@@ -1056,6 +1111,7 @@ class Preload:
 
         if _thread.get_ident() == self.thread_id:
             return  # a module of the list that forks while it is imported
+        self.resume_after_cell()
         if self.importing.acquire(timeout=FORK_WAITS_FOR_IMPORT):
             if self.stopped:
                 self.end_fine_sharing()  # the child has no preload thread to put it back
@@ -1294,12 +1350,13 @@ class Kernel:
             while WORKDIR in sys.path:
                 sys.path.remove(WORKDIR)
             sys.path.insert(0, WORKDIR)
-        try:
-            import importlib
-
-            importlib.invalidate_caches()  # files written since the last exec are importable
-        except Exception:
-            pass
+        # Files written since the last exec are importable: what importlib.invalidate_caches()
+        # does, without importing importlib (a cell beside the preload must import nothing).
+        for finder in sys.meta_path:
+            try:
+                finder.invalidate_caches()
+            except Exception:
+                pass
 
     def compile(self, code):
         """The cell as (body code object, trailing expression code object or None)."""
@@ -1551,6 +1608,7 @@ class Kernel:
                     if beside:
                         self.preload.resume_gc()  # the cell's own garbage is collected as usual
                         self.preload.share_gil_finely()
+                        self.preload.pause_for_cell()
                     elif self.preload is not None:
                         self.preload.wait_for_import_under_way()
                     if req.get("type") in ("save_state", "restore_state"):
@@ -1580,6 +1638,9 @@ class Kernel:
                 # SIGINT landed in the kernel's own code around the cell: still an interrupt.
                 signal.signal(signal.SIGINT, _ignore_sigint)
                 exit_code = 1
+            finally:
+                if self.preload is not None:
+                    self.preload.resume_after_cell()
             if error is not None and self.preload is not None:
                 # A cell that ran beside the import under way reports its error with
                 # traceback and linecache, which that import may be loading.

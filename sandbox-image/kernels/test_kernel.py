@@ -1523,6 +1523,48 @@ def test_a_cell_waits_for_the_import_under_way_so_no_module_is_half_initialized(
         shutil.rmtree(lib, ignore_errors=True)
 
 
+def test_a_cell_beside_the_import_holds_it_at_its_next_import_statement():
+    # A cell beside the import under way has the GIL to itself: the preload's thread stops
+    # at its next import statement until the cell ends, then finishes the import it was in.
+    # Each part of the package below spins 30 ms of CPU and leaves a file behind it; taking
+    # turns with the cell every 0.5 ms, several parts would end while the cell spins.
+    lib = tempfile.mkdtemp(prefix="cb-preload-")
+    parts = 12
+    try:
+        os.mkdir(os.path.join(lib, "busy_package"))
+        with open(os.path.join(lib, "busy_package", "__init__.py"), "w") as f:
+            f.write("".join("from . import part%d\n" % i for i in range(parts)))
+        for i in range(parts):
+            with open(os.path.join(lib, "busy_package", "part%d.py" % i), "w") as f:
+                f.write("import time\nend = time.perf_counter() + 0.03\n"
+                        "while time.perf_counter() < end:\n    pass\n"
+                        "open(%r, 'w').close()\n" % os.path.join(lib, "done%d" % i))
+        count = ("def parts_done():\n    n = 0\n    for i in range(%d):\n"
+                 "        try:\n            open('%s/done%%d' %% i).close()\n            n += 1\n"
+                 "        except OSError:\n            pass\n    return n\n" % (parts, lib))
+        with Kernel(env={"PYTHONPATH": lib}) as k:
+            k.preload(["busy_package"])
+            deadline = time.monotonic() + 10
+            while not os.path.exists(os.path.join(lib, "done0")) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            code, out, err = k.run(count + "before = parts_done()\nx = 0\n"
+                                   "for _ in range(3000000):\n    x += 1\n"
+                                   "print(parts_done() - before, before < %d)" % parts)
+            assert code == 0, err
+            during, started_before = out.split()
+            assert started_before == "True", "the import ended before the cell came: %r" % out
+            assert int(during) <= 1, "%s parts were imported beside the cell" % during
+            # After the cell, the thread finishes the package (the preload is stopped) and
+            # the next cell finds it whole, with the usual __import__ back in place.
+            assert _wait_for_preload(k) is True
+            assert_ok(k.run("import builtins, sys\nprint(len([m for m in sys.modules "
+                            "if m.startswith('busy_package.')]), "
+                            "type(builtins.__import__).__name__)"),
+                      "%d builtin_function_or_method\n" % parts)
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
 def test_a_cell_without_imports_runs_beside_the_import_under_way():
     # `print(1)` in a session whose pooled kernel is in the middle of pandas: it starts no
     # import, so it need not wait for that one to end; the preload stops after it, as at
