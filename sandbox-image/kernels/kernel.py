@@ -907,8 +907,8 @@ def part(name):
 # initialized (Python's answer to two threads importing each other's modules). A cell whose
 # code names no import and that has no tools runs at once, beside the import under way
 # (`runs_beside_an_import`), and the import stops at its next import statement until the
-# cell ends (`Preload.pause_for_cell`); if it fails, its traceback waits for that import. The preload
-# stops all the same: letting it go on beside such a cell (the next one might import
+# cell ends (`Preload.pause_for_cell`); if it fails, its traceback waits for that import.
+# The preload stops all the same: letting it go on beside such a cell (the next one might import
 # pandas) cost each taken container up to 0.4 s more CPU, which a burst of new sessions
 # took from the refills and from each other (docs/PERFORMANCE.md). A
 # fork() (multiprocessing) waits for the import under way to finish, so the child never
@@ -1003,11 +1003,12 @@ class Preload:
         self.paused_import = None  # the __import__ a gated cell replaced, until it ends
 
     def share_gil_finely(self):
-        """Before a cell that runs beside the import under way: until the thread ends, hand
-        the GIL over every 0.5 ms instead of 5. The thread holds the GIL while it imports,
-        and each time the cell comes back from a read or a write it waits for a switch:
-        beside a busy import, a small cell took 6-22 ms with the default interval and
-        1-7 ms with this one. The thread puts the interval back when it ends."""
+        """From the thread's start: until it ends, hand the GIL over every 0.5 ms instead
+        of 5. The thread holds the GIL while it imports, and each time the kernel's main
+        thread comes back from a read or a write it waits for a switch: beside a busy
+        import, a small cell took 6-22 ms with the default interval and 1-7 ms with this
+        one (before it held the import at its next import statement). The thread puts the
+        interval back when it ends."""
         with self.switching:
             if self.ended or self.saved_switch is not None:
                 return
@@ -1139,6 +1140,9 @@ class Preload:
             os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
+        # The first request's own read of fd 3 then waits 0.5 ms for the GIL, not 5: with no
+        # other thread asking for it, the interval costs the imports nothing.
+        self.share_gil_finely()
         try:
             self.import_all()
         finally:
@@ -1607,7 +1611,6 @@ class Kernel:
                         continue  # the runner's, for an exec in another language: no answer
                     if beside:
                         self.preload.resume_gc()  # the cell's own garbage is collected as usual
-                        self.preload.share_gil_finely()
                         self.preload.pause_for_cell()
                     elif self.preload is not None:
                         self.preload.wait_for_import_under_way()
